@@ -1,0 +1,2 @@
+//! The `rbdkit` command line.
+fn main() {}

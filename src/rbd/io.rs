@@ -1,0 +1,135 @@
+//! Synchronous (blocking) image I/O: read, write, discard, write-zeroes,
+//! compare-and-write and flush. Futures over librbd AIO come with the async layer.
+
+use rbd_sys as sys;
+
+use crate::error::{Error, Result};
+use crate::rbd::Image;
+
+impl Image {
+    fn check_range(&self, op: &'static str, offset: u64, len: usize) -> Result<()> {
+        if offset.checked_add(len as u64).is_none() {
+            return Err(Error::invalid(
+                op,
+                self.spec(),
+                format!("offset {offset} + length {len} overflows"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Reads into `buf` at `offset`; returns how many bytes were read (fewer
+    /// than asked only past the end of the image). Wraps `rbd_read`.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<usize> {
+        self.check_range("rbd_read", offset, buf.len())?;
+        // SAFETY: `buf` is writable for its length; librbd writes at most
+        // that many bytes and returns the count.
+        let ret = unsafe { sys::rbd_read(self.raw(), offset, buf.len(), buf.as_mut_ptr().cast()) };
+        let n = self.cvt(ret, "rbd_read")?;
+        Ok((n as usize).min(buf.len()))
+    }
+
+    /// Reads exactly `buf.len()` bytes at `offset`, failing if the image ends
+    /// first.
+    pub fn read_exact(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        let n = self.read(offset, buf)?;
+        if n != buf.len() {
+            return Err(Error::invalid(
+                "rbd_read",
+                self.spec(),
+                format!(
+                    "short read: {n} of {} bytes at offset {offset} (past the end?)",
+                    buf.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `offset`; the range must lie within the image.
+    /// Wraps `rbd_write`.
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.check_range("rbd_write", offset, data.len())?;
+        // SAFETY: `data` is readable for its length; librbd copies it before
+        // returning.
+        let ret = unsafe { sys::rbd_write(self.raw(), offset, data.len(), data.as_ptr().cast()) };
+        let n = self.cvt(ret, "rbd_write")?;
+        if n as usize != data.len() {
+            return Err(Error::from_errno(libc::EIO, "rbd_write", self.spec())
+                .detail(format!("short write: {n} of {} bytes", data.len())));
+        }
+        Ok(())
+    }
+
+    /// Deallocates a range; it reads back as zeroes. Wraps `rbd_discard`.
+    pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        // SAFETY: the image is open.
+        let ret = unsafe { sys::rbd_discard(self.raw(), offset, len) };
+        self.cvt(ret, "rbd_discard")?;
+        Ok(())
+    }
+
+    /// Writes zeroes over a range. Wraps `rbd_write_zeroes`.
+    pub fn write_zeroes(&self, offset: u64, len: usize) -> Result<()> {
+        self.check_range("rbd_write_zeroes", offset, len)?;
+        // SAFETY: the image is open; no flags.
+        let ret = unsafe { sys::rbd_write_zeroes(self.raw(), offset, len, 0, 0) };
+        self.cvt(ret, "rbd_write_zeroes")?;
+        Ok(())
+    }
+
+    /// Writes `data` at `offset` only if the range currently holds `expected`
+    /// (same length). On a mismatch returns `Ok(Some(offset_of_first_mismatch))`
+    /// and writes nothing. Wraps `rbd_compare_and_write`.
+    #[cfg(librbd_supports_compare_and_write)]
+    pub fn compare_and_write(
+        &self,
+        offset: u64,
+        expected: &[u8],
+        data: &[u8],
+    ) -> Result<Option<u64>> {
+        if expected.len() != data.len() {
+            return Err(Error::invalid(
+                "rbd_compare_and_write",
+                self.spec(),
+                "compare and write buffers differ in length",
+            ));
+        }
+        self.check_range("rbd_compare_and_write", offset, data.len())?;
+        let mut mismatch = 0u64;
+        // SAFETY: both buffers are readable for `data.len()` bytes; the
+        // out-pointer is valid.
+        let ret = unsafe {
+            sys::rbd_compare_and_write(
+                self.raw(),
+                offset,
+                data.len(),
+                expected.as_ptr().cast(),
+                data.as_ptr().cast(),
+                &mut mismatch,
+                0,
+            )
+        };
+        if ret == -(libc::EILSEQ as isize) {
+            return Ok(Some(mismatch));
+        }
+        self.cvt(ret, "rbd_compare_and_write")?;
+        Ok(None)
+    }
+
+    /// Waits until every write so far is durable. Wraps `rbd_flush`.
+    pub fn flush(&self) -> Result<()> {
+        // SAFETY: the image is open.
+        let ret = unsafe { sys::rbd_flush(self.raw()) };
+        self.cvt(ret, "rbd_flush")?;
+        Ok(())
+    }
+
+    /// Drops librbd's cache for this handle. Wraps `rbd_invalidate_cache`.
+    pub fn invalidate_cache(&self) -> Result<()> {
+        // SAFETY: the image is open.
+        let ret = unsafe { sys::rbd_invalidate_cache(self.raw()) };
+        self.cvt(ret, "rbd_invalidate_cache")?;
+        Ok(())
+    }
+}

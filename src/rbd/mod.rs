@@ -1,0 +1,44 @@
+//! librbd: images and everything about them.
+//!
+//! The layout follows go-ceph's `rbd` package, one file per area:
+//! [`image`](crate::rbd::Image) lifecycle and info, snapshots, clones, trash,
+//! metadata, watchers, locks, I/O, diff, and pool set-up. Functions that act
+//! on a pool (`create`, `list`, `remove`, trash) take an [`IoCtx`]; the rest
+//! are methods on an open [`Image`].
+//!
+//! [`IoCtx`]: crate::rados::IoCtx
+
+mod clone;
+mod diff;
+mod features;
+mod image;
+mod io;
+mod locks;
+mod metadata;
+mod options;
+mod pool;
+mod snapshot;
+mod trash;
+mod watchers;
+
+pub use clone::{clone, LinkedImage, ParentInfo};
+pub use features::Features;
+pub use image::{create, list, list_names, remove, rename, Image, ImageInfo, ImageSpec};
+pub use locks::{LockMode, Locker, Lockers};
+pub use options::ImageOptions;
+pub use pool::{namespace_create, namespace_exists, namespace_list, namespace_remove, pool_init};
+pub use snapshot::SnapInfo;
+pub use trash::{
+    trash_get, trash_list, trash_move, trash_purge, trash_remove, trash_restore, TrashEntry,
+    TrashSource,
+};
+pub use watchers::Watcher;
+
+/// The librbd version this process loaded, as `(major, minor, extra)`.
+/// Wraps `rbd_version`.
+pub fn version() -> (i32, i32, i32) {
+    let (mut major, mut minor, mut extra) = (0, 0, 0);
+    // SAFETY: three valid out-pointers; the call has no other preconditions.
+    unsafe { rbd_sys::rbd_version(&mut major, &mut minor, &mut extra) };
+    (major, minor, extra)
+}

@@ -1,0 +1,117 @@
+//! Small helpers shared by the wrappers: C strings, NUL-separated lists and
+//! the grow-and-retry loop that list calls need on `ERANGE`.
+
+use std::ffi::{CStr, CString};
+use std::os::raw::c_char;
+
+use crate::error::{Error, Result};
+
+/// Largest buffer a list call may ask for before we give up (64 MiB): a
+/// defence against a library that keeps answering `ERANGE`.
+pub(crate) const MAX_BUFFER: usize = 64 << 20;
+
+/// Converts a Rust string for C, refusing interior NUL bytes with a clear
+/// error that names what the string was.
+pub(crate) fn cstr(s: &str, op: &'static str, what: &str) -> Result<CString> {
+    CString::new(s)
+        .map_err(|_| Error::invalid(op, what, format!("{what} {s:?} contains a NUL byte")))
+}
+
+/// Copies a C string owned by librados/librbd into a `String`.
+///
+/// # Safety
+/// `p` is null or points to a NUL-terminated string valid for this call.
+pub(crate) unsafe fn from_cstr(p: *const c_char) -> String {
+    if p.is_null() {
+        return String::new();
+    }
+    // SAFETY: the caller guarantees `p` is a valid NUL-terminated string.
+    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+}
+
+/// Splits a buffer of NUL-terminated strings (`a\0b\0\0`) into strings.
+pub(crate) fn split_nul_list(buf: &[u8]) -> Vec<String> {
+    buf.split(|b| *b == 0)
+        .filter(|s| !s.is_empty())
+        .map(|s| String::from_utf8_lossy(s).into_owned())
+        .collect()
+}
+
+/// Reads a NUL-terminated string out of a fixed buffer.
+pub(crate) fn string_from_buf(buf: &[u8]) -> String {
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+/// Calls `f` with a buffer, growing it while `f` reports `ERANGE`.
+///
+/// `f` gets the buffer and returns the C return value together with the size
+/// the library asked for (or 0 when it did not say). The buffer is doubled
+/// (or grown to the asked size) until the call succeeds, fails otherwise, or
+/// passes [`MAX_BUFFER`]. On success the whole buffer is returned: the caller
+/// knows from the call's outputs how much of it holds data.
+pub(crate) fn with_growing_buffer<F>(
+    initial: usize,
+    op: &'static str,
+    object: &dyn Fn() -> String,
+    mut f: F,
+) -> Result<Vec<u8>>
+where
+    F: FnMut(&mut Vec<u8>) -> (i64, usize),
+{
+    let mut size = initial.max(16);
+    loop {
+        let mut buf = vec![0u8; size];
+        let (ret, wanted) = f(&mut buf);
+        if ret >= 0 {
+            return Ok(buf);
+        }
+        let errno = i32::try_from(-ret).unwrap_or(libc::EIO);
+        if errno != libc::ERANGE {
+            return Err(Error::from_errno(errno, op, object()));
+        }
+        let next = wanted.max(size.saturating_mul(2));
+        if next > MAX_BUFFER {
+            return Err(Error::from_errno(libc::ERANGE, op, object())
+                .detail(format!("result larger than {MAX_BUFFER} bytes")));
+        }
+        size = next;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splits_nul_lists() {
+        assert_eq!(split_nul_list(b"a\0bc\0\0\0"), vec!["a", "bc"]);
+        assert!(split_nul_list(b"\0\0").is_empty());
+    }
+
+    #[test]
+    fn grows_on_erange_and_stops_at_the_cap() {
+        let mut calls = 0;
+        let out = with_growing_buffer(4, "t", &String::new, |buf| {
+            calls += 1;
+            if buf.len() < 100 {
+                (-(libc::ERANGE as i64), 100)
+            } else {
+                buf[0] = 7;
+                (0, 0)
+            }
+        })
+        .unwrap();
+        assert_eq!(out[0], 7);
+        assert_eq!(calls, 2);
+        let err = with_growing_buffer(4, "t", &|| "x".into(), |_| (-(libc::ERANGE as i64), 0))
+            .unwrap_err();
+        assert_eq!(err.errno(), libc::ERANGE);
+    }
+
+    #[test]
+    fn refuses_interior_nul() {
+        let e = cstr("a\0b", "rbd_open", "image name").unwrap_err();
+        assert!(e.to_string().contains("image name"), "{e}");
+    }
+}

@@ -1,0 +1,6 @@
+//! Fixtures shared by the integration tests: a real Ceph cluster and a real
+//! Kubernetes control plane, both started by the project's own scripts.
+#![allow(dead_code)]
+
+pub mod ceph;
+pub mod k8s;
