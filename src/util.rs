@@ -10,6 +10,17 @@ use crate::error::{Error, Result};
 /// defence against a library that keeps answering `ERANGE`.
 pub(crate) const MAX_BUFFER: usize = 64 << 20;
 
+/// A progress callback that ignores progress. librbd's `*_with_progress`
+/// and `*2` calls invoke the callback they are given without a null check,
+/// so they must never get a null one.
+pub(crate) extern "C" fn no_progress(
+    _offset: u64,
+    _total: u64,
+    _arg: *mut std::os::raw::c_void,
+) -> std::os::raw::c_int {
+    0
+}
+
 /// Converts a Rust string for C, refusing interior NUL bytes with a clear
 /// error that names what the string was.
 pub(crate) fn cstr(s: &str, op: &'static str, what: &str) -> Result<CString> {

@@ -407,6 +407,12 @@ impl Cluster {
         ConnectOptions::new().connect()
     }
 
+    /// The value of a librados config option on this connection, such as
+    /// `mon_host`. Wraps `rados_conf_get`.
+    pub fn config_get(&self, option: &str) -> Result<String> {
+        self.inner.conf_get(option)
+    }
+
     /// The cluster's fsid. Wraps `rados_cluster_fsid`.
     pub fn fsid(&self) -> Result<String> {
         let mut buf = [0u8; 64];

@@ -11,7 +11,7 @@ use crate::error::{cvt, Error, ErrorKind, Result};
 use crate::rados::IoCtx;
 use crate::rbd::options::ImageOptions;
 use crate::rbd::Features;
-use crate::util::{cstr, from_cstr, string_from_buf, with_growing_buffer};
+use crate::util::{cstr, from_cstr, no_progress, string_from_buf, with_growing_buffer};
 
 /// Creates an image of `size` bytes. Wraps `rbd_create4`.
 ///
@@ -391,8 +391,17 @@ impl Image {
     }
 
     fn resize2(&self, size: u64, allow_shrink: bool) -> Result<()> {
-        // SAFETY: the image is open; no progress callback is passed.
-        let ret = unsafe { sys::rbd_resize2(self.raw, size, allow_shrink, None, ptr::null_mut()) };
+        // SAFETY: the image is open; the progress callback is a no-op that
+        // ignores its (null) argument.
+        let ret = unsafe {
+            sys::rbd_resize2(
+                self.raw,
+                size,
+                allow_shrink,
+                Some(no_progress),
+                ptr::null_mut(),
+            )
+        };
         match self.cvt(ret, "rbd_resize2") {
             Err(e) if !allow_shrink && e.kind() == ErrorKind::InvalidArgument => {
                 Err(Error::with_kind(

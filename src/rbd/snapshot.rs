@@ -9,7 +9,7 @@ use rbd_sys as sys;
 use crate::error::{Error, ErrorKind, Result};
 use crate::rbd::image::to_system_time;
 use crate::rbd::Image;
-use crate::util::{cstr, from_cstr, string_from_buf, with_growing_buffer};
+use crate::util::{cstr, from_cstr, no_progress, string_from_buf, with_growing_buffer};
 
 /// One snapshot, as `rbd_snap_list` reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -116,13 +116,14 @@ impl Image {
     /// Removes a snapshot, unprotecting it first if needed. Wraps
     /// `rbd_snap_remove2` with `RBD_SNAP_REMOVE_UNPROTECT`.
     pub fn snap_remove_force(&self, snap: &str) -> Result<()> {
-        // SAFETY: the image is open; `p` is NUL-terminated; no callback.
+        // SAFETY: the image is open; `p` is NUL-terminated; the progress
+        // callback is a no-op that ignores its (null) argument.
         self.snap_call("rbd_snap_remove2", snap, |p| unsafe {
             sys::rbd_snap_remove2(
                 self.raw(),
                 p,
                 sys::RBD_SNAP_REMOVE_UNPROTECT,
-                None,
+                Some(no_progress),
                 ptr::null_mut(),
             )
         })

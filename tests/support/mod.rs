@@ -3,4 +3,5 @@
 #![allow(dead_code)]
 
 pub mod ceph;
+#[cfg(feature = "service")]
 pub mod k8s;

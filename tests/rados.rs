@@ -1,0 +1,138 @@
+//! librados against a real cluster: connecting, pools, mon commands,
+//! objects and omap.
+
+mod support;
+
+use std::time::Duration;
+
+use rbdkit::rados::{ConnectOptions, Secret};
+use rbdkit::ErrorKind;
+use support::ceph::{cluster, unique, TestCluster, POOL};
+
+#[test]
+fn connects_from_conf_and_reports_fsid() {
+    let c = TestCluster::get().connect();
+    let fsid = c.fsid().unwrap();
+    assert_eq!(fsid.len(), 36, "fsid {fsid:?}");
+    assert_eq!(Some(fsid), TestCluster::get().conf_value("fsid"));
+    assert!(c.instance_id() > 0);
+}
+
+#[test]
+fn connects_without_a_file_from_monitors_user_and_key() {
+    let t = TestCluster::get();
+    let mons = t.conf_value("mon host").expect("mon host in ceph.conf");
+    let c = ConnectOptions::new()
+        .mon_host(mons)
+        .user("client.admin")
+        .key(Secret::new(t.admin_key()))
+        .connect_timeout(Duration::from_secs(20))
+        .connect()
+        .expect("connect with mon_host + key and no ceph.conf");
+    assert!(c.pool_list().unwrap().contains(&POOL.to_owned()));
+}
+
+#[test]
+fn timeouts_default_to_bounded_values_and_can_be_set() {
+    let c = TestCluster::get()
+        .options()
+        .osd_op_timeout(Duration::from_secs(7))
+        .connect()
+        .unwrap();
+    assert_eq!(c.config_get("rados_osd_op_timeout").unwrap(), "7");
+    let d = ConnectOptions::new()
+        .conf_file(TestCluster::get().conf())
+        .connect()
+        .unwrap();
+    for opt in [
+        "client_mount_timeout",
+        "rados_mon_op_timeout",
+        "rados_osd_op_timeout",
+    ] {
+        let v: f64 = d.config_get(opt).unwrap().parse().unwrap();
+        assert!(v > 0.0 && v <= 60.0, "{opt} = {v}: must be bounded");
+    }
+}
+
+#[test]
+fn pool_create_stats_and_delete() {
+    let c = cluster();
+    let name = unique("pool");
+    c.pool_create(&name).unwrap();
+    assert!(c.pool_list().unwrap().contains(&name));
+    let dup = c.pool_create(&name).unwrap_err();
+    assert_eq!(dup.kind(), ErrorKind::AlreadyExists, "{dup}");
+    let id = c.pool_lookup(&name).unwrap();
+    assert_eq!(c.pool_name(id).unwrap(), name);
+    let io = c.ioctx(&name).unwrap();
+    assert_eq!(io.pool_id(), id);
+    io.write_full("obj", &[7u8; 4096]).unwrap();
+    let stats = io.pool_stats().unwrap();
+    assert!(stats.num_objects <= 1, "{stats:?}");
+    drop(io);
+    c.pool_delete(&name).unwrap();
+    assert!(!c.pool_list().unwrap().contains(&name));
+    let gone = c.pool_lookup(&name).unwrap_err();
+    assert_eq!(gone.kind(), ErrorKind::NotFound);
+    assert!(c.stats().unwrap().kb > 0);
+}
+
+#[test]
+fn mon_command_returns_json_and_names_failures() {
+    let c = cluster();
+    let reply = c
+        .mon_command(r#"{"prefix": "osd pool ls", "format": "json"}"#, &[])
+        .unwrap();
+    let pools: Vec<String> = serde_json::from_slice(&reply.output).unwrap();
+    assert!(pools.contains(&POOL.to_owned()), "{pools:?}");
+    let err = c
+        .mon_command(
+            r#"{"prefix": "osd pool get", "pool": "no-such-pool-x", "var": "size"}"#,
+            &[],
+        )
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
+    assert!(err.to_string().contains("osd pool get"), "{err}");
+}
+
+#[test]
+fn objects_write_read_stat_remove() {
+    let io = cluster().ioctx_ns(POOL, &unique("objns")).unwrap();
+    io.write_full("o1", b"hello world").unwrap();
+    io.write("o1", b"W", 6).unwrap();
+    assert_eq!(io.read_full("o1").unwrap(), b"hello World");
+    assert_eq!(io.read("o1", 5, 0).unwrap(), b"hello");
+    assert_eq!(io.stat("o1").unwrap().size, 11);
+    io.remove("o1").unwrap();
+    let e = io.stat("o1").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+    assert!(
+        e.to_string()
+            .contains(&format!("{}/{}/o1", POOL, io.namespace())),
+        "{e}"
+    );
+}
+
+#[test]
+fn omap_set_get_list_remove() {
+    let io = cluster().ioctx_ns(POOL, &unique("omapns")).unwrap();
+    let pairs: Vec<(String, Vec<u8>)> = (0..1200)
+        .map(|i| (format!("k/{i:05}"), vec![b'v'; i % 7]))
+        .collect();
+    io.omap_set("book", &pairs).unwrap();
+    io.omap_set("book", &[("other", b"x".as_slice())]).unwrap();
+    let all = io.omap_list("book", "").unwrap();
+    assert_eq!(all.len(), 1201, "paged listing returns every key");
+    let ks = io.omap_list("book", "k/").unwrap();
+    assert_eq!(ks.len(), 1200);
+    assert_eq!(ks["k/00013"], vec![b'v'; 6]);
+    let got = io.omap_get("book", &["other", "missing"]).unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got["other"], b"x");
+    io.omap_remove("book", &["other", "k/00000"]).unwrap();
+    assert_eq!(io.omap_list("book", "").unwrap().len(), 1199);
+    io.omap_clear("book").unwrap();
+    assert!(io.omap_list("book", "").unwrap().is_empty());
+    let e = io.omap_list("nothing-here", "").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+}

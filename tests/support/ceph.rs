@@ -1,0 +1,204 @@
+//! A real Ceph cluster for integration tests.
+//!
+//! `RBDKIT_TEST_CEPH_CONF` names the ceph.conf of a cluster started by
+//! `scripts/ceph-test-cluster up` (the README's test command does this).
+//! Without it, the first test in a process starts its own cluster with that
+//! script and stops it when the process exits. Tests never skip: if no
+//! cluster can be had, they fail with the script's error. `CEPH_CONF` is
+//! deliberately ignored, so tests never touch a cluster you did not make for
+//! them.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use rbdkit::rados::{Cluster, ConnectOptions, IoCtx};
+use rbdkit::rbd;
+
+/// The pool that `scripts/ceph-test-cluster` creates and initialises.
+pub const POOL: &str = "rbd";
+
+/// A cluster the tests may use.
+pub struct TestCluster {
+    conf: PathBuf,
+}
+
+static CLUSTER: OnceLock<TestCluster> = OnceLock::new();
+static STARTED_DIR: Mutex<Option<PathBuf>> = Mutex::new(None);
+
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+extern "C" fn stop_started_cluster() {
+    let dir = STARTED_DIR.lock().ok().and_then(|mut d| d.take());
+    if let Some(dir) = dir {
+        let _ = Command::new(repo_root().join("scripts/ceph-test-cluster"))
+            .arg("down")
+            .arg(&dir)
+            .status();
+    }
+}
+
+impl TestCluster {
+    /// The process-wide test cluster, started on first use if needed.
+    pub fn get() -> &'static TestCluster {
+        CLUSTER.get_or_init(|| {
+            if let Some(conf) = std::env::var_os("RBDKIT_TEST_CEPH_CONF") {
+                let conf = PathBuf::from(conf);
+                assert!(
+                    conf.is_file(),
+                    "RBDKIT_TEST_CEPH_CONF={} is not a file",
+                    conf.display()
+                );
+                return TestCluster { conf };
+            }
+            let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+                .join(format!("ceph-{}", std::process::id()));
+            let out = Command::new(repo_root().join("scripts/ceph-test-cluster"))
+                .arg("up")
+                .arg(&dir)
+                .output()
+                .expect("run scripts/ceph-test-cluster");
+            assert!(
+                out.status.success(),
+                "scripts/ceph-test-cluster up {} failed; set RBDKIT_TEST_CEPH_CONF or fix:\n{}",
+                dir.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            *STARTED_DIR.lock().unwrap() = Some(dir.clone());
+            // SAFETY: registers a plain extern "C" fn with no captured state.
+            unsafe { libc::atexit(stop_started_cluster) };
+            TestCluster {
+                conf: dir.join("ceph.conf"),
+            }
+        })
+    }
+
+    /// Path of the cluster's ceph.conf.
+    pub fn conf(&self) -> &Path {
+        &self.conf
+    }
+
+    /// The folder that holds the cluster's files.
+    pub fn dir(&self) -> &Path {
+        self.conf.parent().expect("conf has a parent")
+    }
+
+    /// A line of the ceph.conf, such as `mon host`.
+    pub fn conf_value(&self, key: &str) -> Option<String> {
+        let text = std::fs::read_to_string(&self.conf).ok()?;
+        text.lines().find_map(|l| {
+            let (k, v) = l.split_once('=')?;
+            (k.trim().replace('_', " ") == key).then(|| v.trim().to_owned())
+        })
+    }
+
+    /// The admin key from the cluster's keyring.
+    pub fn admin_key(&self) -> String {
+        let keyring = self
+            .conf_value("keyring")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| self.dir().join("keyring"));
+        let text = std::fs::read_to_string(&keyring).expect("read keyring");
+        let mut in_admin = false;
+        for line in text.lines() {
+            let t = line.trim();
+            if t.starts_with('[') {
+                in_admin = t == "[client.admin]";
+            } else if in_admin {
+                if let Some((k, v)) = t.split_once('=') {
+                    if k.trim() == "key" {
+                        return v.trim().to_owned();
+                    }
+                }
+            }
+        }
+        panic!("no client.admin key in {}", keyring.display());
+    }
+
+    /// Options for the admin user through the conf file.
+    pub fn options(&self) -> ConnectOptions {
+        ConnectOptions::new()
+            .conf_file(&self.conf)
+            .op_timeout(Duration::from_secs(60))
+    }
+
+    /// A new admin connection.
+    pub fn connect(&self) -> Cluster {
+        self.options()
+            .connect()
+            .expect("connect to the test cluster")
+    }
+}
+
+/// One admin connection shared by the tests of a process.
+pub fn cluster() -> Cluster {
+    static SHARED: OnceLock<Cluster> = OnceLock::new();
+    SHARED.get_or_init(|| TestCluster::get().connect()).clone()
+}
+
+/// A unique name for this process and call.
+pub fn unique(prefix: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// An RBD namespace of its own in the test pool, so tests run in parallel
+/// without seeing each other's images. Everything in it is removed on drop.
+pub struct TestNs {
+    /// An ioctx on the test pool in this namespace.
+    pub ioctx: IoCtx,
+    /// The namespace name.
+    pub name: String,
+}
+
+impl TestNs {
+    /// Creates a fresh namespace named after `test`.
+    pub fn new(test: &str) -> TestNs {
+        let cluster = cluster();
+        let pool = cluster.ioctx(POOL).expect("open test pool");
+        let name = unique(test);
+        rbd::namespace_create(&pool, &name).expect("create test namespace");
+        TestNs {
+            ioctx: pool.with_namespace(&name).expect("ioctx in namespace"),
+            name,
+        }
+    }
+}
+
+impl Drop for TestNs {
+    fn drop(&mut self) {
+        // Best effort: children before parents, snapshots before images.
+        for _ in 0..3 {
+            let Ok(images) = rbd::list_names(&self.ioctx) else {
+                break;
+            };
+            for name in images {
+                if let Ok(img) = rbd::Image::open(&self.ioctx, &name) {
+                    if let Ok(snaps) = img.snap_list() {
+                        for s in snaps {
+                            let _ = img.snap_remove_force(&s.name);
+                        }
+                    }
+                    drop(img);
+                }
+                let _ = rbd::remove(&self.ioctx, &name);
+            }
+        }
+        if let Ok(entries) = rbd::trash_list(&self.ioctx) {
+            for e in entries {
+                let _ = rbd::trash_remove(&self.ioctx, &e.id, true);
+            }
+        }
+        if let Ok(pool) = cluster().ioctx(POOL) {
+            let _ = rbd::namespace_remove(&pool, &self.name);
+        }
+    }
+}
