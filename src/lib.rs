@@ -44,6 +44,12 @@ mod util;
 
 #[cfg(feature = "service")]
 pub mod blocking;
+#[cfg(feature = "service")]
+pub mod cli;
+#[cfg(feature = "service")]
+pub mod k8s;
+#[cfg(feature = "service")]
+pub mod provisioner;
 
 pub use error::{Error, ErrorKind, Result};
 

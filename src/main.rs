@@ -1,2 +1,54 @@
-//! The `rbdkit` command line.
-fn main() {}
+//! `rbdkit`: the command line for operators (`rbdkit image ...`) and the
+//! Kubernetes provisioner (`rbdkit provisioner ...`).
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Ceph RBD in process: image operations and the Kubernetes provisioner.
+#[derive(Debug, Parser)]
+#[command(name = "rbdkit", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Create, list, inspect, resize and remove images and snapshots.
+    Image(rbdkit::cli::ImageArgs),
+    /// Run the Kubernetes provisioner (PVC -> RBD image -> PV).
+    Provisioner(rbdkit::provisioner::ProvisionerArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Image(args) => match rbdkit::cli::run_image(args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("rbdkit: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Provisioner(args) => {
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("rbdkit: cannot start the async runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match rt.block_on(rbdkit::provisioner::run(args)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("rbdkit: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
