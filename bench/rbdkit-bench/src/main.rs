@@ -1,0 +1,2 @@
+//! rbdkit's benchmark contender (being built).
+fn main() {}
