@@ -1,6 +1,6 @@
 //! The one error type of the library.
 //!
-//! Every librados/librbd call returns a negative errno on failure. [`cvt`]
+//! Every librados/librbd call returns a negative errno on failure. `cvt`
 //! turns that into an [`Error`] that keeps the raw errno, the C function that
 //! failed and the object it concerned (`pool/namespace/image`, a pool, an
 //! object), so that a message such as

@@ -29,7 +29,7 @@
 //!   function and the `pool/namespace/image` it concerned.
 //! - Every call is bounded: [`rados::ConnectOptions`] sets connect, monitor
 //!   and OSD timeouts (30 s by default) where Ceph would wait 300 s or forever.
-//! - Calls are plainly blocking. With the `service` feature, [`blocking`]
+//! - Calls are plainly blocking. With the `service` feature, `blocking`
 //!   runs them on a bounded pool of threads for async code.
 //!
 //! See `vendor-notes.md` for the Ceph releases and C symbols covered.

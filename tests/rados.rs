@@ -136,3 +136,30 @@ fn omap_set_get_list_remove() {
     let e = io.omap_list("nothing-here", "").unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotFound);
 }
+
+#[test]
+fn object_listing_and_xattrs() {
+    let io = cluster().ioctx_ns(POOL, &unique("listns")).unwrap();
+    for i in 0..5 {
+        io.write_full(&format!("obj-{i}"), b"x").unwrap();
+    }
+    let mut names = io.list_objects().unwrap();
+    names.sort();
+    assert_eq!(
+        names,
+        (0..5).map(|i| format!("obj-{i}")).collect::<Vec<_>>(),
+        "only this namespace"
+    );
+    io.xattr_set("obj-0", "user.tag", b"blue").unwrap();
+    assert_eq!(io.xattr_get("obj-0", "user.tag").unwrap(), b"blue");
+    let big = vec![b'z'; 5000];
+    io.xattr_set("obj-0", "user.big", &big).unwrap();
+    assert_eq!(
+        io.xattr_get("obj-0", "user.big").unwrap(),
+        big,
+        "grows past its first buffer"
+    );
+    io.xattr_remove("obj-0", "user.tag").unwrap();
+    let e = io.xattr_get("obj-0", "user.tag").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Other(libc::ENODATA), "{e}");
+}

@@ -381,3 +381,86 @@ fn pool_init_and_namespaces() {
     c.pool_delete(&name).unwrap();
     assert_eq!(rbd::version().0, 1);
 }
+
+#[test]
+fn update_watch_fires_on_header_changes() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    let ns = TestNs::new("updwatch");
+    rbd::create(&ns.ioctx, "u", 4 * MIB, &ImageOptions::new()).unwrap();
+    let watched = Image::open(&ns.ioctx, "u").unwrap();
+    let hits = Arc::new(AtomicUsize::new(0));
+    let h = Arc::clone(&hits);
+    let watch = watched
+        .update_watch(move || {
+            h.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+    // Another client changes the header.
+    let other = support::ceph::TestCluster::get().connect();
+    let changer = Image::open(&other.ioctx_ns(POOL, &ns.name).unwrap(), "u").unwrap();
+    changer.resize(8 * MIB).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while hits.load(Ordering::SeqCst) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "no update notification within 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(watch);
+    let seen = hits.load(Ordering::SeqCst);
+    changer.resize(16 * MIB).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        seen,
+        "no calls after the watch is dropped"
+    );
+    assert_eq!(watched.size().unwrap(), 16 * MIB);
+}
+
+#[test]
+fn timestamps_op_features_overlap_and_object_map_rebuild() {
+    let ns = TestNs::new("misc");
+    let opts = ImageOptions::new().features(
+        Features::LAYERING | Features::EXCLUSIVE_LOCK | Features::OBJECT_MAP | Features::FAST_DIFF,
+    );
+    rbd::create(&ns.ioctx, "p", 8 * MIB, &opts).unwrap();
+    let p = Image::open(&ns.ioctx, "p").unwrap();
+    assert!(
+        p.access_timestamp().unwrap()
+            <= std::time::SystemTime::now() + std::time::Duration::from_secs(60)
+    );
+    assert!(p.modify_timestamp().is_ok());
+    p.write(0, b"x").unwrap();
+    p.rebuild_object_map().unwrap();
+    assert_eq!(p.flags().unwrap() & 1, 0, "object map valid after rebuild");
+    p.snap_create("s").unwrap();
+    p.snap_protect("s").unwrap();
+    rbd::clone(
+        &ns.ioctx,
+        "p",
+        "s",
+        &ns.ioctx,
+        "c",
+        &ImageOptions::new().clone_format(2).unwrap(),
+    )
+    .unwrap();
+    let c = Image::open(&ns.ioctx, "c").unwrap();
+    assert_eq!(c.overlap().unwrap(), 8 * MIB);
+    assert_ne!(
+        c.op_features().unwrap() & 2,
+        0,
+        "RBD_OPERATION_FEATURE_CLONE_CHILD"
+    );
+    assert_ne!(
+        p.op_features().unwrap() & 1,
+        0,
+        "RBD_OPERATION_FEATURE_CLONE_PARENT"
+    );
+    assert_eq!(p.overlap().unwrap(), 0);
+    assert!(ImageOptions::new().clone_format(3).is_err());
+}

@@ -254,3 +254,114 @@ impl IoCtx {
         Ok(())
     }
 }
+
+/// An owned `rados_list_ctx_t`, closed exactly once.
+struct ListCtx(sys::rados_list_ctx_t);
+
+impl Drop for ListCtx {
+    fn drop(&mut self) {
+        // SAFETY: opened by rados_nobjects_list_open, closed only here.
+        unsafe { sys::rados_nobjects_list_close(self.0) };
+    }
+}
+
+impl IoCtx {
+    /// Names of the objects in this pool and namespace. Wraps
+    /// `rados_nobjects_list_open`, `rados_nobjects_list_next2` and
+    /// `rados_nobjects_list_close`. Walks the whole pool: use on small pools.
+    pub fn list_objects(&self) -> Result<Vec<String>> {
+        let mut raw: sys::rados_list_ctx_t = ptr::null_mut();
+        // SAFETY: the ioctx is live; `raw` is a valid out-pointer.
+        let ret = unsafe { sys::rados_nobjects_list_open(self.raw(), &mut raw) };
+        cvt(ret, "rados_nobjects_list_open", || self.spec())?;
+        let ctx = ListCtx(raw);
+        let mut out = Vec::new();
+        loop {
+            let mut entry: *const std::os::raw::c_char = ptr::null();
+            let mut entry_len = 0usize;
+            // SAFETY: the list is open; key and namespace outputs are not
+            // wanted (null). `entry` stays valid until the next call.
+            let ret = unsafe {
+                sys::rados_nobjects_list_next2(
+                    ctx.0,
+                    &mut entry,
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                    &mut entry_len,
+                    ptr::null_mut(),
+                    ptr::null_mut(),
+                )
+            };
+            if ret == -libc::ENOENT {
+                return Ok(out);
+            }
+            cvt(ret, "rados_nobjects_list_next2", || self.spec())?;
+            // SAFETY: librados gave `entry_len` bytes at `entry`, valid until
+            // the next call; we copy them now.
+            let name = unsafe { std::slice::from_raw_parts(entry as *const u8, entry_len) };
+            out.push(String::from_utf8_lossy(name).into_owned());
+        }
+    }
+
+    /// Reads an extended attribute of an object. Wraps `rados_getxattr`.
+    pub fn xattr_get(&self, oid: &str, name: &str) -> Result<Vec<u8>> {
+        let o = cstr(oid, "rados_getxattr", "object name")?;
+        let n = cstr(name, "rados_getxattr", "xattr name")?;
+        let mut size = 256usize;
+        loop {
+            let mut buf = vec![0u8; size];
+            // SAFETY: `buf` is writable for `size` bytes; librados returns the
+            // length (or -ERANGE if the value is larger).
+            let ret = unsafe {
+                sys::rados_getxattr(
+                    self.raw(),
+                    o.as_ptr(),
+                    n.as_ptr(),
+                    buf.as_mut_ptr().cast(),
+                    size,
+                )
+            };
+            if ret == -libc::ERANGE && size < crate::util::MAX_BUFFER {
+                size *= 4;
+                continue;
+            }
+            let len = cvt(ret, "rados_getxattr", || {
+                format!("{} xattr {name:?}", self.object_spec(oid))
+            })? as usize;
+            buf.truncate(len.min(size));
+            return Ok(buf);
+        }
+    }
+
+    /// Sets an extended attribute of an object. Wraps `rados_setxattr`.
+    pub fn xattr_set(&self, oid: &str, name: &str, value: &[u8]) -> Result<()> {
+        let o = cstr(oid, "rados_setxattr", "object name")?;
+        let n = cstr(name, "rados_setxattr", "xattr name")?;
+        // SAFETY: `value` is readable for its length; names are NUL-terminated.
+        let ret = unsafe {
+            sys::rados_setxattr(
+                self.raw(),
+                o.as_ptr(),
+                n.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+            )
+        };
+        cvt(ret, "rados_setxattr", || {
+            format!("{} xattr {name:?}", self.object_spec(oid))
+        })?;
+        Ok(())
+    }
+
+    /// Removes an extended attribute of an object. Wraps `rados_rmxattr`.
+    pub fn xattr_remove(&self, oid: &str, name: &str) -> Result<()> {
+        let o = cstr(oid, "rados_rmxattr", "object name")?;
+        let n = cstr(name, "rados_rmxattr", "xattr name")?;
+        // SAFETY: names are NUL-terminated; the ioctx is live.
+        let ret = unsafe { sys::rados_rmxattr(self.raw(), o.as_ptr(), n.as_ptr()) };
+        cvt(ret, "rados_rmxattr", || {
+            format!("{} xattr {name:?}", self.object_spec(oid))
+        })?;
+        Ok(())
+    }
+}

@@ -328,6 +328,12 @@ impl Image {
         self.raw
     }
 
+    /// Takes the handle out; the `Image` then no longer closes it (used by
+    /// async close, which closes it instead).
+    pub(crate) fn take_raw(&mut self) -> sys::rbd_image_t {
+        std::mem::replace(&mut self.raw, ptr::null_mut())
+    }
+
     pub(crate) fn cvt<T>(&self, ret: T, op: &'static str) -> Result<T>
     where
         T: Copy + PartialOrd + Default + TryInto<i32>,
@@ -525,6 +531,51 @@ impl Image {
         };
         self.cvt(ret, "rbd_get_modify_timestamp")?;
         Ok(to_system_time(ts))
+    }
+
+    /// When the image was last read. Wraps `rbd_get_access_timestamp`.
+    pub fn access_timestamp(&self) -> Result<SystemTime> {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: as in `create_timestamp`.
+        let ret = unsafe {
+            sys::rbd_get_access_timestamp(self.raw, (&mut ts as *mut libc::timespec).cast())
+        };
+        self.cvt(ret, "rbd_get_access_timestamp")?;
+        Ok(to_system_time(ts))
+    }
+
+    /// Operation features (`RBD_OPERATION_FEATURE_*`: clone parent/child,
+    /// group, snap trash) in force on the image. Wraps `rbd_get_op_features`.
+    pub fn op_features(&self) -> Result<u64> {
+        let mut v = 0u64;
+        // SAFETY: valid out-pointer; the image is open.
+        let ret = unsafe { sys::rbd_get_op_features(self.raw, &mut v) };
+        self.cvt(ret, "rbd_get_op_features")?;
+        Ok(v)
+    }
+
+    /// For a clone, how many bytes still overlap its parent. Wraps
+    /// `rbd_get_overlap`.
+    pub fn overlap(&self) -> Result<u64> {
+        let mut v = 0u64;
+        // SAFETY: valid out-pointer; the image is open.
+        let ret = unsafe { sys::rbd_get_overlap(self.raw, &mut v) };
+        self.cvt(ret, "rbd_get_overlap")?;
+        Ok(v)
+    }
+
+    /// Rebuilds an invalid object map (see [`Image::flags`]). Wraps
+    /// `rbd_rebuild_object_map`.
+    pub fn rebuild_object_map(&self) -> Result<()> {
+        // SAFETY: the image is open; the progress callback is a no-op that
+        // ignores its (null) argument.
+        let ret =
+            unsafe { sys::rbd_rebuild_object_map(self.raw, Some(no_progress), ptr::null_mut()) };
+        self.cvt(ret, "rbd_rebuild_object_map")?;
+        Ok(())
     }
 
     /// Copies the image (head only) into a new image. Wraps `rbd_copy3`.

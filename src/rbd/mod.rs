@@ -9,30 +9,47 @@
 //! [`IoCtx`]: crate::rados::IoCtx
 
 mod clone;
+mod config;
 mod diff;
 mod features;
+mod group;
 mod image;
 mod io;
 mod locks;
 mod metadata;
+mod migration;
 mod options;
 mod pool;
 mod snapshot;
 mod trash;
 mod watchers;
 
+#[doc(hidden)]
 pub use clone::{clone, LinkedImage, ParentInfo};
+pub use config::{config_pool_list, ConfigOption, ConfigSource};
 pub use features::Features;
+pub use group::{
+    group_create, group_image_add, group_image_list, group_image_remove, group_list, group_remove,
+    group_rename, group_snap_create, group_snap_list, group_snap_remove, group_snap_rollback,
+    GroupImage, GroupSnap,
+};
 pub use image::{create, list, list_names, remove, rename, Image, ImageInfo, ImageSpec};
 pub use locks::{LockMode, Locker, Lockers};
+pub use migration::{
+    migration_abort, migration_commit, migration_execute, migration_prepare, migration_status,
+    MigrationState, MigrationStatus,
+};
 pub use options::ImageOptions;
-pub use pool::{namespace_create, namespace_exists, namespace_list, namespace_remove, pool_init};
+pub use pool::{
+    namespace_create, namespace_exists, namespace_list, namespace_remove, pool_init,
+    pool_metadata_get, pool_metadata_remove, pool_metadata_set, pool_stats, RbdPoolStats,
+};
 pub use snapshot::SnapInfo;
 pub use trash::{
     trash_get, trash_list, trash_move, trash_purge, trash_remove, trash_restore, TrashEntry,
     TrashSource,
 };
-pub use watchers::Watcher;
+pub use watchers::{UpdateWatch, Watcher};
 
 /// The librbd version this process loaded, as `(major, minor, extra)`.
 /// Wraps `rbd_version`.

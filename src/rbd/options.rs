@@ -26,6 +26,7 @@ pub struct ImageOptions {
     stripe_unit: Option<u64>,
     stripe_count: Option<u64>,
     data_pool: Option<String>,
+    clone_format: Option<u64>,
 }
 
 impl ImageOptions {
@@ -86,6 +87,20 @@ impl ImageOptions {
         self
     }
 
+    /// Clone format for [`crate::rbd::clone`]: 1 (the parent snapshot must be
+    /// protected) or 2 (no protection needed; needs Mimic or newer clients).
+    pub fn clone_format(mut self, format: u8) -> Result<Self> {
+        if !(1..=2).contains(&format) {
+            return Err(Error::invalid(
+                "image options",
+                "clone format",
+                format!("clone format {format} is not 1 or 2"),
+            ));
+        }
+        self.clone_format = Some(u64::from(format));
+        Ok(self)
+    }
+
     /// The features set, if any.
     pub fn get_features(&self) -> Option<Features> {
         self.features
@@ -116,6 +131,9 @@ impl ImageOptions {
         }
         if let Some(c) = self.stripe_count {
             set_u64(sys::RBD_IMAGE_OPTION_STRIPE_COUNT, c)?;
+        }
+        if let Some(f) = self.clone_format {
+            set_u64(sys::RBD_IMAGE_OPTION_CLONE_FORMAT, f)?;
         }
         if let Some(p) = &self.data_pool {
             let v = CString::new(p.as_str())
