@@ -1,16 +1,375 @@
 //! The Kubernetes provisioner: PVC → RBD image → PV, delete and expand.
 //!
-//! (Being built; see the provisioner issue.)
+//! `rbdkit provisioner --name NAME --clusters-config FILE [--kubeconfig FILE]`
+//! watches claims and volumes and, while it holds the leader lease, does for
+//! the StorageClasses that name it what external-provisioner plus ceph-csi's
+//! controller do for RBD, with every Ceph call made through this crate.
+//!
+//! Layout:
+//! - [`params`]: StorageClass parameters, validated;
+//! - [`pv`]: the PV built for a claim, and the volume handle;
+//! - [`clusters`]: the ceph-csi clusters config and the connection cache;
+//! - [`secrets`]: cephx credentials from Secrets;
+//! - [`volume`]: the Ceph operations, with ownership checks;
+//! - [`controller`]: the reconcilers;
+//! - [`metrics`]: Prometheus metrics.
+
+pub mod clusters;
+pub mod controller;
+pub mod metrics;
+pub mod params;
+pub mod pv;
+pub mod secrets;
+pub mod volume;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use futures::StreamExt;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use kube::runtime::{controller::Config as ControllerConfig, watcher, Controller};
+use kube::Api;
+use prometheus_client::registry::Registry;
+use tokio::sync::watch;
+
+use crate::blocking::BlockingPool;
+use crate::k8s::backoff::{Backoff, RateLimiter};
+use crate::k8s::events::Events;
+use crate::k8s::health::Health;
+use crate::k8s::leader::{lease_name_for, LeaderElector, Timing};
+use crate::k8s::telemetry::{self, LogFormat};
+use crate::provisioner::clusters::{ClustersFile, Connections};
+use crate::provisioner::controller::Context;
+use crate::provisioner::metrics::Metrics;
 
 /// Command-line arguments of `rbdkit provisioner`.
-#[derive(Debug, clap::Args)]
+#[derive(Debug, Clone, clap::Args)]
 pub struct ProvisionerArgs {
-    /// The provisioner name that StorageClasses name.
+    /// The provisioner name that StorageClasses name (also the CSI driver
+    /// name on the PVs it makes).
     #[arg(long, default_value = "rbd.rbdkit.io")]
     pub name: String,
+
+    /// ceph-csi's config.json: the clusters and their monitors. Re-read when
+    /// it changes.
+    #[arg(long, value_name = "FILE")]
+    pub clusters_config: PathBuf,
+
+    /// A kubeconfig file; without it, the in-cluster service account is used.
+    #[arg(long, value_name = "FILE", env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Address of the /healthz, /readyz and /metrics server.
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    pub http_addr: SocketAddr,
+
+    /// Log format: text or json.
+    #[arg(long, default_value = "text")]
+    pub log_format: LogFormat,
+
+    /// How many claims and volumes are worked on at once (per kind).
+    #[arg(long, default_value_t = 4)]
+    pub workers: u16,
+
+    /// Threads for blocking Ceph calls.
+    #[arg(long, default_value_t = 8)]
+    pub ceph_threads: usize,
+
+    /// Global rate limit on reconciles, per second.
+    #[arg(long, default_value_t = 10.0)]
+    pub rate_limit: f64,
+
+    /// Burst allowed above the rate limit.
+    #[arg(long, default_value_t = 100)]
+    pub rate_burst: u32,
+
+    /// Retry delay after an object's first failure (doubles per failure).
+    #[arg(long, default_value = "1s")]
+    pub backoff_base: humantime::Duration,
+
+    /// Longest retry delay.
+    #[arg(long, default_value = "5m")]
+    pub backoff_max: humantime::Duration,
+
+    /// Bound on connecting to a Ceph cluster.
+    #[arg(long, default_value = "10s")]
+    pub ceph_connect_timeout: humantime::Duration,
+
+    /// Bound on every Ceph operation.
+    #[arg(long, default_value = "30s")]
+    pub ceph_op_timeout: humantime::Duration,
+
+    /// Close a Ceph connection unused for this long.
+    #[arg(long, default_value = "5m")]
+    pub ceph_idle_timeout: humantime::Duration,
+
+    /// How often the clusters config file is checked for changes.
+    #[arg(long, default_value = "5s")]
+    pub config_poll: humantime::Duration,
+
+    /// Elect a leader among replicas (off: act at once, for one replica).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub leader_election: bool,
+
+    /// Namespace of the leader Lease (default: this pod's namespace).
+    #[arg(long)]
+    pub leader_election_namespace: Option<String>,
+
+    /// This replica's name in the Lease (default: pod or host name and pid).
+    #[arg(long)]
+    pub leader_election_identity: Option<String>,
+
+    /// How long a lease is valid without renewal.
+    #[arg(long, default_value = "15s")]
+    pub lease_duration: humantime::Duration,
+
+    /// How long the leader keeps acting without renewing.
+    #[arg(long, default_value = "10s")]
+    pub renew_deadline: humantime::Duration,
+
+    /// How often the lease is renewed or retried.
+    #[arg(long, default_value = "2s")]
+    pub retry_period: humantime::Duration,
+
+    /// How long in-flight work may take to finish on shutdown.
+    #[arg(long, default_value = "30s")]
+    pub shutdown_grace: humantime::Duration,
 }
 
-/// Runs the provisioner until it is told to stop.
+/// Runs the provisioner until SIGTERM or SIGINT.
 pub async fn run(args: ProvisionerArgs) -> anyhow::Result<()> {
-    anyhow::bail!("provisioner {} is not built yet", args.name)
+    run_until(args, shutdown_signal()).await
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
+    tracing::info!("shutdown requested");
+}
+
+/// Runs the provisioner until `shutdown` resolves, then stops gracefully:
+/// in-flight work gets `--shutdown-grace` to finish, and the lease is
+/// released.
+pub async fn run_until(
+    args: ProvisionerArgs,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    telemetry::init(args.log_format);
+    let timing = Timing {
+        lease_duration: args.lease_duration.into(),
+        renew_deadline: args.renew_deadline.into(),
+        retry_period: args.retry_period.into(),
+    };
+    timing.validate().map_err(anyhow::Error::msg)?;
+    let backoff = Backoff {
+        base: args.backoff_base.into(),
+        max: args.backoff_max.into(),
+    };
+    anyhow::ensure!(
+        !backoff.base.is_zero() && backoff.base <= backoff.max,
+        "--backoff-base must be > 0 and at most --backoff-max"
+    );
+    anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
+
+    let client = crate::k8s::client::client(args.kubeconfig.as_deref()).await?;
+    let clusters = Arc::new(ClustersFile::load(&args.clusters_config).map_err(anyhow::Error::msg)?);
+    let mut registry = Registry::default();
+    let metrics = Metrics::new(&mut registry);
+    let health = Health::new(registry);
+    let pool = BlockingPool::new(args.ceph_threads);
+    let conns = Arc::new(Connections::new(
+        pool.clone(),
+        args.ceph_connect_timeout.into(),
+        args.ceph_op_timeout.into(),
+        metrics.clone(),
+    ));
+    let identity = args
+        .leader_election_identity
+        .clone()
+        .unwrap_or_else(crate::k8s::client::own_identity);
+
+    // One stop signal for every background task.
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stopped = |mut rx: watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    {
+        let stop_tx = stop_tx.clone();
+        tokio::spawn(async move {
+            shutdown.await;
+            let _ = stop_tx.send(true);
+        });
+    }
+
+    let (addr, http) = health
+        .serve(args.http_addr, stopped(stop_rx.clone()))
+        .await
+        .with_context(|| format!("cannot listen on {}", args.http_addr))?;
+    tracing::info!(name = %args.name, identity = %identity, http = %addr, "provisioner starting");
+    tokio::spawn(Arc::clone(&clusters).watch(args.config_poll.into(), stopped(stop_rx.clone())));
+    tokio::spawn(
+        Arc::clone(&conns).reap_idle(args.ceph_idle_timeout.into(), stopped(stop_rx.clone())),
+    );
+
+    // Leadership.
+    let (leader_tx, leader_rx) = watch::channel(false);
+    let (elector_stop_tx, elector_stop_rx) = watch::channel(false);
+    let elector = if args.leader_election {
+        let namespace = args
+            .leader_election_namespace
+            .clone()
+            .unwrap_or_else(crate::k8s::client::own_namespace);
+        let api: Api<Lease> = Api::namespaced(client.clone(), &namespace);
+        let lease = lease_name_for(&args.name);
+        tracing::info!(lease = %lease, namespace = %namespace, "leader election enabled");
+        let e = LeaderElector::new(api, &lease, &identity, timing);
+        Some(tokio::spawn(e.run(leader_tx, stopped(elector_stop_rx))))
+    } else {
+        leader_tx.send_replace(true);
+        drop(elector_stop_rx);
+        None
+    };
+
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        args.name.clone(),
+        clusters,
+        conns,
+        pool,
+        Events::new(client.clone(), &args.name, &identity),
+        metrics.clone(),
+        backoff,
+        Arc::new(RateLimiter::new(args.rate_limit, args.rate_burst)),
+    ));
+
+    let mut leader_rx_loop = leader_rx.clone();
+    let mut stop_loop = stop_rx.clone();
+    loop {
+        // Wait to lead (or to stop).
+        tokio::select! {
+            r = leader_rx_loop.wait_for(|l| *l) => { if r.is_err() { break; } }
+            _ = stop_loop.wait_for(|s| *s) => break,
+        }
+        if *stop_loop.borrow() {
+            break;
+        }
+        health.set_leader(true);
+        metrics.set_leader(true);
+        tracing::info!("leading: starting controllers");
+        let lost = {
+            let mut rx = leader_rx.clone();
+            async move {
+                let _ = rx.wait_for(|l| !*l).await;
+            }
+        };
+        let work = run_controllers(
+            Arc::clone(&ctx),
+            args.workers,
+            health.clone(),
+            stopped(stop_rx.clone()),
+        );
+        let grace: Duration = args.shutdown_grace.into();
+        tokio::select! {
+            _ = work => {
+                tracing::info!("controllers stopped");
+            }
+            _ = lost => {
+                // Dropping the controllers aborts every reconcile in flight.
+                tracing::warn!("lost the lease: all work stopped");
+            }
+            _ = async {
+                stopped(stop_rx.clone()).await;
+                tokio::time::sleep(grace).await;
+            } => {
+                tracing::warn!(?grace, "in-flight work did not finish in time; abandoned");
+            }
+        }
+        health.set_leader(false);
+        health.set_synced(false);
+        metrics.set_leader(false);
+        if *stop_loop.borrow() {
+            break;
+        }
+    }
+    let _ = elector_stop_tx.send(true);
+    if let Some(e) = elector {
+        let _ = e.await;
+    }
+    let _ = stop_tx.send(true);
+    let _ = http.await;
+    tracing::info!("provisioner stopped");
+    Ok(())
+}
+
+/// Runs the claim and volume controllers until `shutdown` resolves (then
+/// lets in-flight reconciles finish).
+async fn run_controllers(
+    ctx: Arc<Context>,
+    workers: u16,
+    health: Health,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    let shutdown = futures::FutureExt::shared(Box::pin(shutdown));
+    let config = ControllerConfig::default().concurrency(workers);
+    let claims: Api<PersistentVolumeClaim> = Api::all(ctx.client.clone());
+    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
+
+    let claim_controller = Controller::new(claims, watcher::Config::default().any_semantic())
+        .with_config(config.clone())
+        .graceful_shutdown_on(shutdown.clone());
+    let pv_controller = Controller::new(pvs, watcher::Config::default().any_semantic())
+        .with_config(config)
+        .graceful_shutdown_on(shutdown);
+    let claim_store = claim_controller.store();
+    let pv_store = pv_controller.store();
+    let synced = async move {
+        if claim_store.wait_until_ready().await.is_ok() && pv_store.wait_until_ready().await.is_ok()
+        {
+            health.set_synced(true);
+            tracing::info!("caches synced; ready");
+        }
+        std::future::pending::<()>().await
+    };
+
+    let claims = claim_controller
+        .run(
+            controller::reconcile_claim,
+            controller::claim_error_policy,
+            Arc::clone(&ctx),
+        )
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "claim controller");
+            }
+        });
+    let volumes = pv_controller
+        .run(
+            controller::reconcile_pv,
+            controller::pv_error_policy,
+            Arc::clone(&ctx),
+        )
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "volume controller");
+            }
+        });
+    // `synced` never ends: it is dropped with the controllers.
+    tokio::select! {
+        _ = async { futures::join!(claims, volumes) } => {}
+        _ = synced => {}
+    }
 }

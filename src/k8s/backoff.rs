@@ -1,0 +1,204 @@
+//! Retry pacing: per-object capped exponential backoff ([`Backoff`],
+//! [`FailureCounts`]) and a global token-bucket rate limit ([`RateLimiter`]).
+//!
+//! kube-runtime's controller requeues whenever its error policy says; these
+//! decide *when*. Failures never make an object be dropped: the delay grows
+//! to the cap and stays there until the object succeeds.
+
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// Exponential backoff: `base * 2^(failures-1)`, capped at `max`, with up to
+/// 10% of random jitter added so that retries of many objects spread out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    /// Delay after the first failure.
+    pub base: Duration,
+    /// Longest delay, however many failures.
+    pub max: Duration,
+}
+
+impl Default for Backoff {
+    /// The delays external-provisioner uses: 1 s doubling to 5 min.
+    fn default() -> Self {
+        Backoff {
+            base: Duration::from_secs(1),
+            max: Duration::from_secs(300),
+        }
+    }
+}
+
+impl Backoff {
+    /// The delay before retry number `failures` (1 for the first failure),
+    /// without jitter.
+    pub fn delay(&self, failures: u32) -> Duration {
+        let exp = failures.saturating_sub(1).min(32);
+        self.base
+            .checked_mul(1u32 << exp.min(31))
+            .unwrap_or(self.max)
+            .min(self.max)
+    }
+
+    /// [`Backoff::delay`] plus up to 10% of jitter, never above `max`.
+    pub fn delay_with_jitter(&self, failures: u32) -> Duration {
+        let d = self.delay(failures);
+        let jitter = d.mul_f64(0.1 * jitter_fraction());
+        (d + jitter).min(self.max.max(d))
+    }
+}
+
+/// A cheap pseudo-random fraction in `[0, 1)`, good enough for jitter.
+fn jitter_fraction() -> f64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    (h.finish() >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// Consecutive failures per object, to feed [`Backoff`]. Success resets.
+#[derive(Debug)]
+pub struct FailureCounts<K> {
+    backoff: Backoff,
+    counts: Mutex<HashMap<K, u32>>,
+}
+
+impl<K: Hash + Eq + Clone> FailureCounts<K> {
+    /// Empty counts with the given backoff.
+    pub fn new(backoff: Backoff) -> Self {
+        FailureCounts {
+            backoff,
+            counts: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Counts one more failure of `key` and returns how long to wait before
+    /// retrying it.
+    pub fn failed(&self, key: &K) -> Duration {
+        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        let n = counts.entry(key.clone()).or_insert(0);
+        *n = n.saturating_add(1);
+        self.backoff.delay_with_jitter(*n)
+    }
+
+    /// Forgets the failures of `key` after it succeeded (or went away).
+    pub fn succeeded(&self, key: &K) {
+        let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        counts.remove(key);
+    }
+
+    /// How many consecutive failures `key` has had.
+    pub fn failures(&self, key: &K) -> u32 {
+        let counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
+        counts.get(key).copied().unwrap_or(0)
+    }
+}
+
+/// A token bucket shared by all workers: at most `burst` operations at once,
+/// refilled at `per_second`. Bounds how hard a retry storm can hit the API
+/// server and Ceph.
+#[derive(Debug)]
+pub struct RateLimiter {
+    per_second: f64,
+    burst: f64,
+    state: tokio::sync::Mutex<Bucket>,
+}
+
+#[derive(Debug)]
+struct Bucket {
+    tokens: f64,
+    last: Instant,
+}
+
+impl RateLimiter {
+    /// A bucket of `burst` tokens (at least one) refilled at `per_second`
+    /// (at least 0.01).
+    pub fn new(per_second: f64, burst: u32) -> RateLimiter {
+        let burst = f64::from(burst.max(1));
+        RateLimiter {
+            per_second: per_second.max(0.01),
+            burst,
+            state: tokio::sync::Mutex::new(Bucket {
+                tokens: burst,
+                last: Instant::now(),
+            }),
+        }
+    }
+
+    /// Waits for a token. Waiters are served in order (the mutex is fair).
+    pub async fn acquire(&self) {
+        let mut bucket = self.state.lock().await;
+        loop {
+            let now = Instant::now();
+            let refill = now.duration_since(bucket.last).as_secs_f64() * self.per_second;
+            bucket.tokens = (bucket.tokens + refill).min(self.burst);
+            bucket.last = now;
+            if bucket.tokens >= 1.0 {
+                bucket.tokens -= 1.0;
+                return;
+            }
+            let wait = (1.0 - bucket.tokens) / self.per_second;
+            tokio::time::sleep(Duration::from_secs_f64(wait)).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn doubles_up_to_the_cap_and_never_gives_up() {
+        let b = Backoff {
+            base: Duration::from_millis(500),
+            max: Duration::from_secs(10),
+        };
+        assert_eq!(b.delay(1), Duration::from_millis(500));
+        assert_eq!(b.delay(2), Duration::from_secs(1));
+        assert_eq!(b.delay(3), Duration::from_secs(2));
+        assert_eq!(b.delay(6), Duration::from_secs(10));
+        assert_eq!(b.delay(1000), Duration::from_secs(10));
+        assert_eq!(b.delay(u32::MAX), Duration::from_secs(10));
+        for n in 1..50 {
+            let d = b.delay_with_jitter(n);
+            assert!(d >= b.delay(n) && d <= b.max, "{n}: {d:?}");
+        }
+    }
+
+    #[test]
+    fn counts_per_object_and_resets_on_success() {
+        let c = FailureCounts::new(Backoff {
+            base: Duration::from_secs(1),
+            max: Duration::from_secs(60),
+        });
+        assert!(c.failed(&"a") < Duration::from_millis(1100));
+        assert!(c.failed(&"a") >= Duration::from_secs(2));
+        assert_eq!(c.failures(&"a"), 2);
+        assert_eq!(c.failures(&"b"), 0);
+        c.succeeded(&"a");
+        assert_eq!(c.failures(&"a"), 0);
+    }
+
+    #[tokio::test]
+    async fn rate_limiter_allows_a_burst_then_paces() {
+        let r = RateLimiter::new(100.0, 3);
+        let start = Instant::now();
+        for _ in 0..3 {
+            r.acquire().await;
+        }
+        assert!(start.elapsed() < Duration::from_millis(25));
+        for _ in 0..10 {
+            r.acquire().await;
+        }
+        // Ten more tokens at 100 per second take about 100 ms.
+        assert!(start.elapsed() >= Duration::from_millis(90));
+    }
+}

@@ -1,0 +1,122 @@
+//! The HTTP endpoints for the kubelet and Prometheus: `/healthz` (the process
+//! serves requests), `/readyz` (the caches have synced and this replica holds
+//! the lease) and `/metrics` (the Prometheus text format).
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use prometheus_client::registry::Registry;
+
+/// What the endpoints report. Cheap to clone; all clones share state.
+#[derive(Clone, Default)]
+pub struct Health {
+    leader: Arc<AtomicBool>,
+    synced: Arc<AtomicBool>,
+    registry: Arc<std::sync::Mutex<Registry>>,
+}
+
+impl std::fmt::Debug for Health {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Health")
+            .field("leader", &self.is_leader())
+            .field("synced", &self.is_synced())
+            .finish()
+    }
+}
+
+impl Health {
+    /// State serving the metrics of `registry`.
+    pub fn new(registry: Registry) -> Health {
+        Health {
+            leader: Arc::default(),
+            synced: Arc::default(),
+            registry: Arc::new(std::sync::Mutex::new(registry)),
+        }
+    }
+
+    /// Records whether this replica holds the lease.
+    pub fn set_leader(&self, leader: bool) {
+        self.leader.store(leader, Ordering::SeqCst);
+    }
+
+    /// Records whether the controllers' caches have synced.
+    pub fn set_synced(&self, synced: bool) {
+        self.synced.store(synced, Ordering::SeqCst);
+    }
+
+    /// Whether this replica holds the lease.
+    pub fn is_leader(&self) -> bool {
+        self.leader.load(Ordering::SeqCst)
+    }
+
+    /// Whether the caches have synced.
+    pub fn is_synced(&self) -> bool {
+        self.synced.load(Ordering::SeqCst)
+    }
+
+    /// Ready means: caches synced and lease held.
+    pub fn is_ready(&self) -> bool {
+        self.is_leader() && self.is_synced()
+    }
+
+    /// The metrics in the Prometheus text format.
+    pub fn encode_metrics(&self) -> String {
+        let mut out = String::new();
+        let registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+        // Encoding into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
+        out
+    }
+
+    /// The router with the three endpoints.
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/healthz", get(|| async { "ok" }))
+            .route("/readyz", get(readyz))
+            .route("/metrics", get(metrics))
+            .with_state(self.clone())
+    }
+
+    /// Serves the endpoints on `addr` until `shutdown` resolves. Returns the
+    /// address actually bound (port 0 picks a free one) once listening, and
+    /// the server task.
+    pub async fn serve(
+        &self,
+        addr: SocketAddr,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<std::io::Result<()>>)> {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let bound = listener.local_addr()?;
+        let app = self.router();
+        let task = tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(shutdown)
+                .await
+        });
+        Ok((bound, task))
+    }
+}
+
+async fn readyz(State(h): State<Health>) -> impl IntoResponse {
+    match (h.is_synced(), h.is_leader()) {
+        (true, true) => (StatusCode::OK, "ok"),
+        (false, _) => (StatusCode::SERVICE_UNAVAILABLE, "caches not synced"),
+        (true, false) => (StatusCode::SERVICE_UNAVAILABLE, "not the leader"),
+    }
+}
+
+async fn metrics(State(h): State<Health>) -> impl IntoResponse {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        h.encode_metrics(),
+    )
+}

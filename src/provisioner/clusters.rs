@@ -1,0 +1,554 @@
+//! Clusters and connections.
+//!
+//! The clusters config is ceph-csi's `config.json`, so that a ceph-csi
+//! ConfigMap can be mounted as it is:
+//!
+//! ```json
+//! [{"clusterID": "c1", "monitors": ["10.0.0.1:6789"], "rbd": {"radosNamespace": "k8s"}}]
+//! ```
+//!
+//! [`ClustersFile`] reads it and re-reads it when its content changes (a
+//! mounted ConfigMap is updated by swapping a symlink, which polling sees and
+//! inotify on the file does not). A bad new version is logged and the last
+//! good one kept.
+//!
+//! [`Connections`] keeps one connection per (cluster, monitors, user),
+//! shared by the workers that need it, counted while in use, dropped after it
+//! has been idle a while, and rebuilt when a call shows it is broken or the
+//! Secret's key changed. Keys live only in memory, inside
+//! [`crate::rados::Secret`].
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+
+use crate::blocking::BlockingPool;
+use crate::provisioner::metrics::Metrics;
+use crate::rados::{Cluster, ConnectOptions, Secret};
+use crate::{Error, ErrorKind};
+
+/// One cluster of the clusters config.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterInfo {
+    /// The id StorageClasses use.
+    pub cluster_id: String,
+    /// Monitor addresses.
+    pub monitors: Vec<String>,
+    /// The RADOS namespace for RBD images (empty: the default one).
+    pub rados_namespace: String,
+}
+
+#[derive(Deserialize)]
+struct RawEntry {
+    #[serde(rename = "clusterID")]
+    cluster_id: String,
+    #[serde(default)]
+    monitors: Vec<String>,
+    #[serde(default)]
+    rbd: Option<RawRbd>,
+}
+
+#[derive(Deserialize)]
+struct RawRbd {
+    #[serde(rename = "radosNamespace", default)]
+    rados_namespace: Option<String>,
+}
+
+/// The parsed clusters config.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClustersConfig {
+    clusters: HashMap<String, ClusterInfo>,
+}
+
+impl ClustersConfig {
+    /// Parses ceph-csi's `config.json`. Entries need a `clusterID` and at
+    /// least one monitor; ids must be unique. Other fields (`cephFS`, …)
+    /// are ignored.
+    pub fn parse(text: &str) -> Result<ClustersConfig, String> {
+        let raw: Vec<RawEntry> =
+            serde_json::from_str(text).map_err(|e| format!("not a ceph-csi config.json: {e}"))?;
+        let mut clusters = HashMap::new();
+        for (i, e) in raw.into_iter().enumerate() {
+            if e.cluster_id.trim().is_empty() {
+                return Err(format!("entry {i} has an empty clusterID"));
+            }
+            let monitors: Vec<String> = e
+                .monitors
+                .iter()
+                .map(|m| m.trim().to_owned())
+                .filter(|m| !m.is_empty())
+                .collect();
+            if monitors.is_empty() {
+                return Err(format!("cluster {:?} has no monitors", e.cluster_id));
+            }
+            let info = ClusterInfo {
+                cluster_id: e.cluster_id.clone(),
+                monitors,
+                rados_namespace: e.rbd.and_then(|r| r.rados_namespace).unwrap_or_default(),
+            };
+            if clusters.insert(e.cluster_id.clone(), info).is_some() {
+                return Err(format!("cluster {:?} is listed twice", e.cluster_id));
+            }
+        }
+        Ok(ClustersConfig { clusters })
+    }
+
+    /// The cluster with this id.
+    pub fn get(&self, cluster_id: &str) -> Option<&ClusterInfo> {
+        self.clusters.get(cluster_id)
+    }
+
+    /// How many clusters there are.
+    pub fn len(&self) -> usize {
+        self.clusters.len()
+    }
+
+    /// True when there are none.
+    pub fn is_empty(&self) -> bool {
+        self.clusters.is_empty()
+    }
+}
+
+/// The clusters config file, kept current.
+#[derive(Debug)]
+pub struct ClustersFile {
+    path: PathBuf,
+    current: RwLock<Arc<ClustersConfig>>,
+    last_text: Mutex<String>,
+}
+
+impl ClustersFile {
+    /// Reads the file; it must exist and parse.
+    pub fn load(path: &Path) -> Result<ClustersFile, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read clusters config {}: {e}", path.display()))?;
+        let config = ClustersConfig::parse(&text)
+            .map_err(|e| format!("clusters config {}: {e}", path.display()))?;
+        Ok(ClustersFile {
+            path: path.to_owned(),
+            current: RwLock::new(Arc::new(config)),
+            last_text: Mutex::new(text),
+        })
+    }
+
+    /// The current config.
+    pub fn config(&self) -> Arc<ClustersConfig> {
+        self.current
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The cluster with this id in the current config.
+    pub fn get(&self, cluster_id: &str) -> Option<ClusterInfo> {
+        self.config().get(cluster_id).cloned()
+    }
+
+    /// Re-reads the file; returns true when a new config was taken.
+    pub fn reload(&self) -> bool {
+        let text = match std::fs::read_to_string(&self.path) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!(path = %self.path.display(), error = %e, "cannot re-read the clusters config; keeping the last one");
+                return false;
+            }
+        };
+        {
+            let mut last = self.last_text.lock().unwrap_or_else(|e| e.into_inner());
+            if *last == text {
+                return false;
+            }
+            *last = text.clone();
+        }
+        match ClustersConfig::parse(&text) {
+            Ok(config) => {
+                tracing::info!(path = %self.path.display(), clusters = config.len(), "clusters config reloaded");
+                *self.current.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(config);
+                true
+            }
+            Err(e) => {
+                tracing::error!(path = %self.path.display(), error = %e, "the new clusters config is invalid; keeping the last good one");
+                false
+            }
+        }
+    }
+
+    /// Polls the file every `every` until `shutdown` resolves.
+    pub async fn watch(
+        self: Arc<Self>,
+        every: Duration,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+            let me = Arc::clone(&self);
+            // File reads block; they are short, but keep them off the runtime.
+            let _ = tokio::task::spawn_blocking(move || me.reload()).await;
+        }
+    }
+}
+
+/// cephx credentials from a Secret: the user id and its key.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Credentials {
+    /// The user id, without `client.`.
+    pub user: String,
+    /// The key; never printed.
+    pub key: Secret,
+}
+
+impl std::fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Credentials")
+            .field("user", &self.user)
+            .field("key", &self.key)
+            .finish()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct ConnKey {
+    cluster_id: String,
+    monitors: String,
+    user: String,
+}
+
+struct Live {
+    cluster: Cluster,
+    key: Secret,
+}
+
+struct Slot {
+    live: tokio::sync::Mutex<Option<Live>>,
+    broken: AtomicBool,
+    users: AtomicUsize,
+    last_used: Mutex<Instant>,
+}
+
+/// A connection in use. Dropping it returns it to the cache.
+pub struct Conn {
+    cluster: Cluster,
+    slot: Arc<Slot>,
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Conn")
+            .field("cluster", &self.cluster)
+            .finish()
+    }
+}
+
+impl Conn {
+    /// The connected cluster.
+    pub fn cluster(&self) -> &Cluster {
+        &self.cluster
+    }
+
+    /// Looks at an error from a call on this connection and, if it means the
+    /// connection itself is unusable (timed out, shut down, blocklisted,
+    /// refused), makes the next user rebuild it.
+    pub fn check(&self, e: &Error) {
+        if is_connection_error(e) {
+            tracing::warn!(error = %e, "Ceph connection looks broken; it will be rebuilt");
+            self.slot.broken.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        *self
+            .slot
+            .last_used
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        self.slot.users.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Whether an error means the connection (not the request) is bad.
+pub fn is_connection_error(e: &Error) -> bool {
+    match e.kind() {
+        ErrorKind::TimedOut => true,
+        // ESHUTDOWN is also how Ceph reports a blocklisted client.
+        ErrorKind::Other(n) => {
+            n == libc::ESHUTDOWN || n == libc::ENOTCONN || n == libc::ECONNREFUSED
+        }
+        _ => false,
+    }
+}
+
+/// The connection cache.
+pub struct Connections {
+    pool: BlockingPool,
+    slots: Mutex<HashMap<ConnKey, Arc<Slot>>>,
+    connect_timeout: Duration,
+    op_timeout: Duration,
+    metrics: Metrics,
+}
+
+impl std::fmt::Debug for Connections {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.slots.lock().map(|s| s.len()).unwrap_or(0);
+        f.debug_struct("Connections").field("slots", &n).finish()
+    }
+}
+
+impl Connections {
+    /// An empty cache. Connecting runs on `pool` and is bounded by
+    /// `connect_timeout`; every later call by `op_timeout`.
+    pub fn new(
+        pool: BlockingPool,
+        connect_timeout: Duration,
+        op_timeout: Duration,
+        metrics: Metrics,
+    ) -> Connections {
+        Connections {
+            pool,
+            slots: Mutex::new(HashMap::new()),
+            connect_timeout,
+            op_timeout,
+            metrics,
+        }
+    }
+
+    /// A connection to `cluster` as `creds.user`, made now if there is no
+    /// usable one.
+    pub async fn get(&self, cluster: &ClusterInfo, creds: &Credentials) -> crate::Result<Conn> {
+        let key = ConnKey {
+            cluster_id: cluster.cluster_id.clone(),
+            monitors: cluster.monitors.join(","),
+            user: creds.user.clone(),
+        };
+        let slot = {
+            let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+            let slot = slots
+                .entry(key.clone())
+                .or_insert_with(|| {
+                    Arc::new(Slot {
+                        live: tokio::sync::Mutex::new(None),
+                        broken: AtomicBool::new(false),
+                        users: AtomicUsize::new(0),
+                        last_used: Mutex::new(Instant::now()),
+                    })
+                })
+                .clone();
+            // Counted while still under the map lock, so the reaper cannot
+            // drop a slot between lookup and use.
+            slot.users.fetch_add(1, Ordering::SeqCst);
+            slot
+        };
+        // From here the count is released by Conn's Drop, or below on error.
+        let mut live = slot.live.lock().await;
+        let usable = match live.as_ref() {
+            Some(l) => l.key == creds.key && !slot.broken.load(Ordering::SeqCst),
+            None => false,
+        };
+        if !usable {
+            if let Some(old) = live.take() {
+                tracing::info!(cluster = %key.cluster_id, user = %key.user, "rebuilding Ceph connection");
+                // rados_shutdown may block: not on the runtime.
+                drop(tokio::task::spawn_blocking(move || drop(old)));
+            }
+            let options = ConnectOptions::new()
+                .mon_host(key.monitors.clone())
+                .user(creds.user.clone())
+                .key(creds.key.clone())
+                .connect_timeout(self.connect_timeout)
+                .op_timeout(self.op_timeout);
+            let started = Instant::now();
+            let connected = self.pool.run(move || options.connect()).await;
+            self.metrics.ceph_op("connect", started);
+            match connected {
+                Ok(cluster) => {
+                    tracing::info!(cluster = %key.cluster_id, user = %key.user, "connected to Ceph");
+                    *live = Some(Live {
+                        cluster,
+                        key: creds.key.clone(),
+                    });
+                    slot.broken.store(false, Ordering::SeqCst);
+                }
+                Err(e) => {
+                    drop(live);
+                    slot.users.fetch_sub(1, Ordering::SeqCst);
+                    return Err(e);
+                }
+            }
+        }
+        let cluster = live.as_ref().map(|l| l.cluster.clone());
+        drop(live);
+        self.metrics.set_connections(self.len());
+        match cluster {
+            Some(cluster) => Ok(Conn { cluster, slot }),
+            None => {
+                slot.users.fetch_sub(1, Ordering::SeqCst);
+                Err(Error::from_errno(
+                    libc::ENOTCONN,
+                    "rados_connect",
+                    key.cluster_id,
+                ))
+            }
+        }
+    }
+
+    /// How many connections are cached.
+    pub fn len(&self) -> usize {
+        self.slots.lock().map(|s| s.len()).unwrap_or(0)
+    }
+
+    /// True when none are.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops connections nobody has used for `idle`. Returns how many.
+    pub fn reap(&self, idle: Duration) -> usize {
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let before = slots.len();
+        slots.retain(|key, slot| {
+            let in_use = slot.users.load(Ordering::SeqCst) > 0;
+            let recent = slot
+                .last_used
+                .lock()
+                .map(|t| t.elapsed() < idle)
+                .unwrap_or(true);
+            let keep = in_use || recent;
+            if !keep {
+                tracing::info!(cluster = %key.cluster_id, user = %key.user, "closing idle Ceph connection");
+            }
+            keep
+        });
+        let dropped = before - slots.len();
+        drop(slots);
+        self.metrics.set_connections(self.len());
+        dropped
+    }
+
+    /// Reaps idle connections every `idle / 2` until `shutdown`.
+    pub async fn reap_idle(
+        self: Arc<Self>,
+        idle: Duration,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        tokio::pin!(shutdown);
+        let every = (idle / 2).max(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+            // Dropping a Cluster may block in rados_shutdown: do it off the
+            // runtime.
+            let me = Arc::clone(&self);
+            let _ = tokio::task::spawn_blocking(move || me.reap(idle)).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_a_ceph_csi_config() {
+        let c = ClustersConfig::parse(
+            r#"[
+              {"clusterID": "c1", "monitors": ["10.0.0.1:6789", " 10.0.0.2:6789 "],
+               "rbd": {"radosNamespace": "k8s", "mirrorDaemonCount": 1},
+               "cephFS": {"subvolumeGroup": "csi"}},
+              {"clusterID": "c2", "monitors": ["[v2:1.2.3.4:3300,v1:1.2.3.4:6789]"]}
+            ]"#,
+        )
+        .unwrap();
+        assert_eq!(c.len(), 2);
+        let c1 = c.get("c1").unwrap();
+        assert_eq!(c1.monitors, vec!["10.0.0.1:6789", "10.0.0.2:6789"]);
+        assert_eq!(c1.rados_namespace, "k8s");
+        assert_eq!(c.get("c2").unwrap().rados_namespace, "");
+        assert!(c.get("c3").is_none());
+        assert!(ClustersConfig::parse("[]").unwrap().is_empty());
+    }
+
+    #[test]
+    fn refuses_bad_configs() {
+        for (text, want) in [
+            ("{}", "not a ceph-csi config.json"),
+            (r#"[{"monitors": ["a"]}]"#, "clusterID"),
+            (
+                r#"[{"clusterID": "", "monitors": ["a"]}]"#,
+                "empty clusterID",
+            ),
+            (r#"[{"clusterID": "x"}]"#, "no monitors"),
+            (
+                r#"[{"clusterID": "x", "monitors": ["a"]}, {"clusterID": "x", "monitors": ["b"]}]"#,
+                "twice",
+            ),
+        ] {
+            let e = ClustersConfig::parse(text).unwrap_err();
+            assert!(e.contains(want), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn reloads_when_the_file_changes_and_keeps_the_last_good_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("config.json");
+        std::fs::write(&path, r#"[{"clusterID": "a", "monitors": ["m1"]}]"#).unwrap();
+        let f = ClustersFile::load(&path).unwrap();
+        assert!(f.get("a").is_some());
+        assert!(!f.reload(), "unchanged file is not a reload");
+        std::fs::write(&path, r#"[{"clusterID": "b", "monitors": ["m2"]}]"#).unwrap();
+        assert!(f.reload());
+        assert!(f.get("a").is_none());
+        assert_eq!(f.get("b").unwrap().monitors, vec!["m2"]);
+        std::fs::write(&path, "not json").unwrap();
+        assert!(!f.reload());
+        assert!(f.get("b").is_some(), "bad config keeps the last good one");
+        std::fs::remove_file(&path).unwrap();
+        assert!(!f.reload());
+        assert!(ClustersFile::load(&path).is_err());
+    }
+
+    #[test]
+    fn credentials_never_print_the_key() {
+        let c = Credentials {
+            user: "kube".into(),
+            key: Secret::new("AQBsecretsecret=="),
+        };
+        let shown = format!("{c:?}");
+        assert!(shown.contains("kube") && !shown.contains("AQB"), "{shown}");
+    }
+
+    #[test]
+    fn classifies_connection_errors() {
+        assert!(is_connection_error(&Error::from_errno(
+            libc::ETIMEDOUT,
+            "x",
+            ""
+        )));
+        assert!(is_connection_error(&Error::from_errno(
+            libc::ESHUTDOWN,
+            "x",
+            ""
+        )));
+        assert!(!is_connection_error(&Error::from_errno(
+            libc::ENOENT,
+            "x",
+            ""
+        )));
+        assert!(!is_connection_error(&Error::from_errno(
+            libc::EBUSY,
+            "x",
+            ""
+        )));
+    }
+}

@@ -1,0 +1,982 @@
+//! The reconcilers: claims (provision, expand, clean up after a claim
+//! deleted mid-provision) and volumes (delete, release our finalizer).
+//!
+//! Each returns an [`Action`]; failures go through the error policies, which
+//! requeue with per-object capped exponential backoff. Nothing is ever given
+//! up on. Every reconcile first takes a token from the global rate limiter.
+//!
+//! Crash safety on the claim side rests on two things written to the API
+//! server *before* any image exists: a finalizer on the claim and an
+//! annotation recording where its image goes. A claim deleted while being
+//! provisioned therefore cannot vanish until its image is cleaned up, even
+//! across restarts, and the image name derives from the claim's uid, so a
+//! retry finds the image a previous attempt made.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use k8s_openapi::api::core::v1::{ObjectReference, PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::storage::v1::StorageClass;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::Action;
+use kube::{Resource, ResourceExt};
+use serde_json::json;
+
+use crate::blocking::BlockingPool;
+use crate::k8s::backoff::{FailureCounts, RateLimiter};
+use crate::k8s::events::Events;
+use crate::k8s::quantity::{bytes_quantity, parse_bytes, round_up_mib, MIB};
+use crate::provisioner::clusters::{ClustersFile, Conn, Connections};
+use crate::provisioner::metrics::Metrics;
+use crate::provisioner::params::{check_access, ClassParams, SecretRef, TemplateContext};
+use crate::provisioner::pv::{
+    build_pv, claim_access_modes, claim_volume_mode, deletion_secret, expand_secret, our_volume,
+    pv_name_for, PvInput, VolumeId, PV_FINALIZER,
+};
+use crate::provisioner::secrets;
+use crate::provisioner::volume::{self, Deleted, Owner, VolumeError};
+use crate::rados::Cluster;
+
+/// Finalizer on a claim while its image may exist without a PV.
+pub const CLAIM_FINALIZER: &str = "rbdkit.io/provisioning-protection";
+/// Claim annotation: the volume handle of the image being provisioned.
+pub const CLAIM_VOLUME_ANNOTATION: &str = "rbdkit.io/provisioning-volume";
+/// Claim annotation: `namespace/name` of the Secret to clean up with.
+pub const CLAIM_SECRET_ANNOTATION: &str = "rbdkit.io/provisioning-secret";
+/// Set by the PV binder on claims an external provisioner must handle.
+pub const ANN_STORAGE_PROVISIONER: &str = "volume.kubernetes.io/storage-provisioner";
+/// The older (beta) form of [`ANN_STORAGE_PROVISIONER`].
+pub const ANN_STORAGE_PROVISIONER_BETA: &str = "volume.beta.kubernetes.io/storage-provisioner";
+/// Set by the scheduler on WaitForFirstConsumer claims.
+pub const ANN_SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
+
+/// A failed reconcile; the message has already been reported (event, log).
+#[derive(Debug)]
+pub struct ReconcileError(pub String);
+
+impl fmt::Display for ReconcileError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ReconcileError {}
+
+impl From<kube::Error> for ReconcileError {
+    fn from(e: kube::Error) -> Self {
+        ReconcileError(format!("Kubernetes API: {e}"))
+    }
+}
+
+/// What the reconcilers share.
+pub struct Context {
+    /// The API client.
+    pub client: kube::Client,
+    /// The provisioner name.
+    pub name: String,
+    /// The clusters config.
+    pub clusters: Arc<ClustersFile>,
+    /// The Ceph connection cache.
+    pub conns: Arc<Connections>,
+    /// Where blocking Ceph calls run.
+    pub pool: BlockingPool,
+    /// The event publisher.
+    pub events: Events,
+    /// The metrics.
+    pub metrics: Metrics,
+    /// Consecutive failures per claim.
+    pub claim_failures: FailureCounts<String>,
+    /// Consecutive failures per PV.
+    pub pv_failures: FailureCounts<String>,
+    /// The global rate limit.
+    pub limiter: Arc<RateLimiter>,
+    /// When work on an object started, for the duration metrics.
+    started: Mutex<HashMap<String, Instant>>,
+}
+
+impl fmt::Debug for Context {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Context").field("name", &self.name).finish()
+    }
+}
+
+impl Context {
+    /// Builds the shared context.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        client: kube::Client,
+        name: String,
+        clusters: Arc<ClustersFile>,
+        conns: Arc<Connections>,
+        pool: BlockingPool,
+        events: Events,
+        metrics: Metrics,
+        backoff: crate::k8s::backoff::Backoff,
+        limiter: Arc<RateLimiter>,
+    ) -> Context {
+        Context {
+            client,
+            name,
+            clusters,
+            conns,
+            pool,
+            events,
+            metrics,
+            claim_failures: FailureCounts::new(backoff),
+            pv_failures: FailureCounts::new(backoff),
+            limiter,
+            started: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn first_attempt(&self, key: &str) -> Instant {
+        *self
+            .started
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(key.to_owned())
+            .or_insert_with(Instant::now)
+    }
+
+    fn finished(&self, key: &str) -> Option<Instant> {
+        self.started
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key)
+    }
+
+    /// Runs a blocking volume operation on the pool with `conn`'s cluster,
+    /// and flags the connection for rebuilding if the error says so.
+    async fn ceph<T: Send + 'static>(
+        &self,
+        conn: &Conn,
+        f: impl FnOnce(&Cluster, &Metrics) -> Result<T, VolumeError> + Send + 'static,
+    ) -> Result<T, VolumeError> {
+        let cluster = conn.cluster().clone();
+        let metrics = self.metrics.clone();
+        let out = match self.pool.run(move || Ok(f(&cluster, &metrics))).await {
+            Ok(inner) => inner,
+            Err(e) => Err(VolumeError::Ceph(e)),
+        };
+        if let Err(VolumeError::Ceph(e)) = &out {
+            conn.check(e);
+        }
+        out
+    }
+
+    async fn connect(&self, cluster_id: &str, secret: &SecretRef) -> Result<Conn, String> {
+        let cluster = self
+            .clusters
+            .get(cluster_id)
+            .ok_or_else(|| format!("clusterID {cluster_id:?} is not in the clusters config"))?;
+        let creds = secrets::credentials(&self.client, secret).await?;
+        self.conns.get(&cluster, &creds).await.map_err(|e| {
+            format!(
+                "cannot connect to Ceph cluster {cluster_id:?} as {:?}: {e}",
+                creds.user
+            )
+        })
+    }
+}
+
+fn claim_key(claim: &PersistentVolumeClaim) -> String {
+    format!(
+        "{}/{}",
+        claim.namespace().unwrap_or_default(),
+        claim.name_any()
+    )
+}
+
+fn claim_ref(claim: &PersistentVolumeClaim) -> ObjectReference {
+    claim.object_ref(&())
+}
+
+fn storage_request(claim: &PersistentVolumeClaim) -> Result<u64, String> {
+    let q = claim
+        .spec
+        .as_ref()
+        .and_then(|s| s.resources.as_ref())
+        .and_then(|r| r.requests.as_ref())
+        .and_then(|r| r.get("storage"))
+        .ok_or("the claim requests no storage")?;
+    parse_bytes(&q.0).map_err(|e| format!("the claim's storage request: {e}"))
+}
+
+fn storage_limit(claim: &PersistentVolumeClaim) -> Option<u64> {
+    let q = claim
+        .spec
+        .as_ref()?
+        .resources
+        .as_ref()?
+        .limits
+        .as_ref()?
+        .get("storage")?;
+    parse_bytes(&q.0).ok()
+}
+
+fn now() -> Time {
+    Time(k8s_openapi::jiff::Timestamp::now())
+}
+
+/// Adds or removes `finalizer` and sets or removes annotations, on the
+/// latest version of the object, guarded by its resourceVersion. A missing
+/// object is not an error.
+async fn edit_meta<K>(
+    api: &Api<K>,
+    name: &str,
+    finalizer: &str,
+    present: bool,
+    annotations: &BTreeMap<String, Option<String>>,
+) -> Result<(), kube::Error>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + fmt::Debug,
+{
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        let Some(obj) = api.get_opt(name).await? else {
+            return Ok(());
+        };
+        let meta = obj.meta();
+        let mut finalizers = meta.finalizers.clone().unwrap_or_default();
+        let had = finalizers.iter().any(|f| f == finalizer);
+        if present && !had {
+            finalizers.push(finalizer.to_owned());
+        } else if !present {
+            finalizers.retain(|f| f != finalizer);
+        }
+        let current = meta.annotations.clone().unwrap_or_default();
+        let ann_changes: serde_json::Map<String, serde_json::Value> = annotations
+            .iter()
+            .filter(|(k, v)| current.get(*k) != v.as_ref())
+            .map(|(k, v)| (k.clone(), json!(v)))
+            .collect();
+        if had == present && ann_changes.is_empty() {
+            return Ok(());
+        }
+        if meta.deletion_timestamp.is_some() && present && !had {
+            // Finalizers cannot be added to an object being deleted.
+            return Ok(());
+        }
+        let patch = json!({
+            "metadata": {
+                "resourceVersion": meta.resource_version,
+                "finalizers": finalizers,
+                "annotations": ann_changes,
+            }
+        });
+        match api
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => return Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 404 => return Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 409 && attempt < 5 => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn claim_annotations_cleared() -> BTreeMap<String, Option<String>> {
+    BTreeMap::from([
+        (CLAIM_VOLUME_ANNOTATION.to_owned(), None),
+        (CLAIM_SECRET_ANNOTATION.to_owned(), None),
+    ])
+}
+
+async fn drop_claim_finalizer(
+    ctx: &Context,
+    claim: &PersistentVolumeClaim,
+) -> Result<(), kube::Error> {
+    let has = claim.finalizers().iter().any(|f| f == CLAIM_FINALIZER)
+        || claim.annotations().contains_key(CLAIM_VOLUME_ANNOTATION);
+    if !has {
+        return Ok(());
+    }
+    let api: Api<PersistentVolumeClaim> =
+        Api::namespaced(ctx.client.clone(), &claim.namespace().unwrap_or_default());
+    edit_meta(
+        &api,
+        &claim.name_any(),
+        CLAIM_FINALIZER,
+        false,
+        &claim_annotations_cleared(),
+    )
+    .await
+}
+
+// ---------------------------------------------------------------- claims --
+
+/// Reconciles a claim: provisions it, expands it, or cleans up after it.
+pub async fn reconcile_claim(
+    claim: Arc<PersistentVolumeClaim>,
+    ctx: Arc<Context>,
+) -> Result<Action, ReconcileError> {
+    ctx.limiter.acquire().await;
+    let out = claim_inner(&claim, &ctx).await;
+    if out.is_ok() {
+        ctx.claim_failures.succeeded(&claim_key(&claim));
+    }
+    out
+}
+
+/// Requeues a failed claim after its backoff.
+pub fn claim_error_policy(
+    claim: Arc<PersistentVolumeClaim>,
+    err: &ReconcileError,
+    ctx: Arc<Context>,
+) -> Action {
+    let key = claim_key(&claim);
+    let delay = ctx.claim_failures.failed(&key);
+    tracing::warn!(claim = %key, error = %err, retry_in = ?delay, "claim not done; will retry");
+    Action::requeue(delay)
+}
+
+async fn claim_inner(
+    claim: &PersistentVolumeClaim,
+    ctx: &Context,
+) -> Result<Action, ReconcileError> {
+    let annotations = claim.annotations();
+    let for_us = [ANN_STORAGE_PROVISIONER, ANN_STORAGE_PROVISIONER_BETA]
+        .iter()
+        .any(|k| annotations.get(*k) == Some(&ctx.name));
+    let has_finalizer = claim.finalizers().iter().any(|f| f == CLAIM_FINALIZER);
+    if claim.metadata.deletion_timestamp.is_some() {
+        if has_finalizer && for_us {
+            return claim_deleted(claim, ctx).await;
+        }
+        return Ok(Action::await_change());
+    }
+    let bound_to = claim
+        .spec
+        .as_ref()
+        .and_then(|s| s.volume_name.clone())
+        .filter(|v| !v.is_empty());
+    if let Some(pv_name) = bound_to {
+        if has_finalizer && for_us {
+            drop_claim_finalizer(ctx, claim).await?;
+        }
+        return expand(claim, &pv_name, ctx).await;
+    }
+    if !for_us {
+        return Ok(Action::await_change());
+    }
+    provision(claim, ctx).await
+}
+
+/// Why provisioning did not complete: reported as a ProvisioningFailed
+/// event, or (`quiet`) only logged.
+struct Failure {
+    why: String,
+}
+
+impl From<String> for Failure {
+    fn from(why: String) -> Self {
+        Failure { why }
+    }
+}
+
+impl From<&str> for Failure {
+    fn from(why: &str) -> Self {
+        Failure {
+            why: why.to_owned(),
+        }
+    }
+}
+
+impl From<kube::Error> for Failure {
+    fn from(e: kube::Error) -> Self {
+        Failure {
+            why: format!("Kubernetes API: {e}"),
+        }
+    }
+}
+
+impl From<crate::provisioner::params::ParamError> for Failure {
+    fn from(e: crate::provisioner::params::ParamError) -> Self {
+        Failure { why: e.to_string() }
+    }
+}
+
+async fn provision(claim: &PersistentVolumeClaim, ctx: &Context) -> Result<Action, ReconcileError> {
+    let Some(pv_name) = pv_name_for(claim) else {
+        return Ok(Action::await_change());
+    };
+    let Some(class_name) = claim
+        .spec
+        .as_ref()
+        .and_then(|s| s.storage_class_name.clone())
+        .filter(|c| !c.is_empty())
+    else {
+        return Ok(Action::await_change());
+    };
+    let classes: Api<StorageClass> = Api::all(ctx.client.clone());
+    let class = match classes.get_opt(&class_name).await? {
+        Some(c) => c,
+        None => {
+            let why = format!("StorageClass {class_name:?} not found");
+            ctx.events
+                .warning(&claim_ref(claim), "ProvisioningFailed", &why)
+                .await;
+            return Err(ReconcileError(why));
+        }
+    };
+    if class.provisioner != ctx.name {
+        return Ok(Action::await_change());
+    }
+    if class.volume_binding_mode.as_deref() == Some("WaitForFirstConsumer")
+        && !claim.annotations().contains_key(ANN_SELECTED_NODE)
+    {
+        tracing::debug!(claim = %claim_key(claim), "waiting for a selected node");
+        return Ok(Action::await_change());
+    }
+    let key = claim.metadata.uid.clone().unwrap_or_default();
+    let started = ctx.first_attempt(&key);
+    match provision_steps(claim, ctx, &class, &pv_name).await {
+        Ok(()) => {
+            if let Some(t) = ctx.finished(&key) {
+                ctx.metrics.provisioned(&class_name, t.elapsed());
+            }
+            tracing::info!(claim = %claim_key(claim), pv = %pv_name, took = ?started.elapsed(), "provisioned");
+            Ok(Action::await_change())
+        }
+        Err(f) => {
+            ctx.metrics.provision_failed(&class_name);
+            ctx.events
+                .warning(&claim_ref(claim), "ProvisioningFailed", &f.why)
+                .await;
+            Err(ReconcileError(f.why))
+        }
+    }
+}
+
+async fn provision_steps(
+    claim: &PersistentVolumeClaim,
+    ctx: &Context,
+    class: &StorageClass,
+    pv_name: &str,
+) -> Result<(), Failure> {
+    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
+    let claim_uid = claim.metadata.uid.clone().unwrap_or_default();
+    // Done by an earlier attempt?
+    if let Some(pv) = pvs.get_opt(pv_name).await? {
+        check_pv_is_for(&pv, ctx, &claim_uid)?;
+        drop_claim_finalizer(ctx, claim).await?;
+        return Ok(());
+    }
+
+    let params = ClassParams::parse(&class.parameters.clone().unwrap_or_default())?;
+    check_access(&claim_access_modes(claim), &claim_volume_mode(claim))?;
+    let requested = storage_request(claim)?;
+    let size = round_up_mib(requested.max(1)).max(MIB);
+    if let Some(limit) = storage_limit(claim) {
+        if limit < size {
+            return Err(format!(
+                "the claim's storage limit ({limit} bytes) is below the size rounded up to whole MiB ({size} bytes)"
+            )
+            .into());
+        }
+    }
+    let cluster = ctx.clusters.get(&params.cluster_id).ok_or_else(|| {
+        format!(
+            "clusterID {:?} is not in the clusters config",
+            params.cluster_id
+        )
+    })?;
+
+    let empty = BTreeMap::new();
+    let namespace = claim.namespace().unwrap_or_default();
+    let claim_name = claim.name_any();
+    let tctx = TemplateContext {
+        pv_name,
+        pvc_namespace: &namespace,
+        pvc_name: &claim_name,
+        pvc_annotations: claim.metadata.annotations.as_ref().unwrap_or(&empty),
+    };
+    let prov_secret = params.provisioner_secret.resolve(&tctx)?;
+    let expand_secret = match &params.expand_secret {
+        Some(t) => t.resolve(&tctx)?,
+        None => prov_secret.clone(),
+    };
+    let node_secret = params
+        .node_stage_secret
+        .as_ref()
+        .map(|t| t.resolve(&tctx))
+        .transpose()?;
+
+    let vol = VolumeId {
+        cluster_id: params.cluster_id.clone(),
+        pool: params.pool.clone(),
+        rados_namespace: cluster.rados_namespace.clone(),
+        image: params.image_name(pv_name),
+    };
+
+    // Before any image exists: the claim cannot go away without us
+    // cleaning up, and we will know where to look.
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &namespace);
+    edit_meta(
+        &claims,
+        &claim_name,
+        CLAIM_FINALIZER,
+        true,
+        &BTreeMap::from([
+            (CLAIM_VOLUME_ANNOTATION.to_owned(), Some(vol.handle())),
+            (
+                CLAIM_SECRET_ANNOTATION.to_owned(),
+                Some(prov_secret.to_string()),
+            ),
+        ]),
+    )
+    .await?;
+
+    ctx.events
+        .normal(
+            &claim_ref(claim),
+            "Provisioning",
+            &format!("External provisioner is provisioning volume for claim \"{namespace}/{claim_name}\""),
+        )
+        .await;
+
+    let conn = ctx.connect(&params.cluster_id, &prov_secret).await?;
+    let owner = Owner {
+        provisioner: ctx.name.clone(),
+        pv_name: pv_name.to_owned(),
+        pvc_namespace: namespace.clone(),
+        pvc_name: claim_name.clone(),
+        cluster_id: params.cluster_id.clone(),
+    };
+    let options = params
+        .image_options()
+        .map_err(|e| format!("image options: {e}"))?;
+    let vol_c = vol.clone();
+    let created = ctx
+        .ceph(&conn, move |c, m| {
+            volume::ensure_image(c, m, &vol_c, size, &options, &owner)
+        })
+        .await
+        .map_err(|e| format!("cannot create image {vol}: {e}"))?;
+    drop(conn);
+    if created < size {
+        return Err(format!(
+            "image {vol} already exists with {created} bytes, less than the {size} requested"
+        )
+        .into());
+    }
+
+    let pv = build_pv(&PvInput {
+        provisioner: &ctx.name,
+        pv_name,
+        claim,
+        class,
+        params: &params,
+        volume: &vol,
+        capacity_bytes: size,
+        provisioner_secret: &prov_secret,
+        expand_secret: &expand_secret,
+        node_stage_secret: node_secret.as_ref(),
+    });
+    match pvs.create(&PostParams::default(), &pv).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(e)) if e.code == 409 => {
+            let existing = pvs
+                .get_opt(pv_name)
+                .await?
+                .ok_or("PV create conflicted but the PV is not there; retrying")?;
+            check_pv_is_for(&existing, ctx, &claim_uid)?;
+        }
+        Err(e) => return Err(format!("cannot create PV {pv_name}: {e}").into()),
+    }
+    ctx.events
+        .normal(
+            &claim_ref(claim),
+            "ProvisioningSucceeded",
+            &format!("Successfully provisioned volume {pv_name} (image {vol})"),
+        )
+        .await;
+    drop_claim_finalizer(ctx, claim).await?;
+    Ok(())
+}
+
+fn check_pv_is_for(pv: &PersistentVolume, ctx: &Context, claim_uid: &str) -> Result<(), Failure> {
+    let name = pv.name_any();
+    if our_volume(pv, &ctx.name).is_none() {
+        return Err(format!("PV {name} exists but was not provisioned by {}", ctx.name).into());
+    }
+    let uid = pv
+        .spec
+        .as_ref()
+        .and_then(|s| s.claim_ref.as_ref())
+        .and_then(|r| r.uid.as_deref());
+    if uid != Some(claim_uid) {
+        return Err(format!("PV {name} exists but is for another claim").into());
+    }
+    Ok(())
+}
+
+/// A claim deleted while it was being provisioned: remove its image unless
+/// its PV exists (the PV's own deletion then takes care of it).
+async fn claim_deleted(
+    claim: &PersistentVolumeClaim,
+    ctx: &Context,
+) -> Result<Action, ReconcileError> {
+    let key = claim_key(claim);
+    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
+    if let Some(pv_name) = pv_name_for(claim) {
+        if pvs.get_opt(&pv_name).await?.is_none() {
+            if let Err(why) = cleanup_image(claim, ctx, &pv_name).await {
+                ctx.events
+                    .warning(&claim_ref(claim), "ProvisioningCleanupFailed", &why)
+                    .await;
+                return Err(ReconcileError(why));
+            }
+        }
+    }
+    drop_claim_finalizer(ctx, claim).await?;
+    ctx.finished(claim.metadata.uid.as_deref().unwrap_or_default());
+    tracing::info!(claim = %key, "claim deleted during provisioning; cleaned up");
+    Ok(Action::await_change())
+}
+
+async fn cleanup_image(
+    claim: &PersistentVolumeClaim,
+    ctx: &Context,
+    pv_name: &str,
+) -> Result<(), String> {
+    let ann = claim.annotations();
+    let (Some(handle), Some(secret)) = (
+        ann.get(CLAIM_VOLUME_ANNOTATION),
+        ann.get(CLAIM_SECRET_ANNOTATION),
+    ) else {
+        // The finalizer and these annotations are written together, before
+        // any image: without them there is nothing to clean.
+        return Ok(());
+    };
+    let vol = VolumeId::parse(handle)?;
+    let (namespace, name) = secret
+        .split_once('/')
+        .ok_or_else(|| format!("bad {CLAIM_SECRET_ANNOTATION} annotation"))?;
+    let secret = SecretRef {
+        namespace: namespace.to_owned(),
+        name: name.to_owned(),
+    };
+    let conn = ctx.connect(&vol.cluster_id, &secret).await?;
+    let provisioner = ctx.name.clone();
+    let pv = pv_name.to_owned();
+    let vol_c = vol.clone();
+    let outcome = ctx
+        .ceph(&conn, move |c, m| {
+            volume::delete_image(c, m, &vol_c, &provisioner, &pv)
+        })
+        .await
+        .map_err(|e| format!("cannot remove image {vol} of deleted claim: {e}"))?;
+    tracing::info!(image = %vol, ?outcome, "removed the image of a claim deleted during provisioning");
+    Ok(())
+}
+
+// ------------------------------------------------------------- expansion --
+
+async fn expand(
+    claim: &PersistentVolumeClaim,
+    pv_name: &str,
+    ctx: &Context,
+) -> Result<Action, ReconcileError> {
+    let bound = claim.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
+    if !bound {
+        return Ok(Action::await_change());
+    }
+    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
+    let Some(pv) = pvs.get_opt(pv_name).await? else {
+        return Ok(Action::await_change());
+    };
+    let Some(Ok(vol)) = our_volume(&pv, &ctx.name) else {
+        return Ok(Action::await_change());
+    };
+    let class_name = claim
+        .spec
+        .as_ref()
+        .and_then(|s| s.storage_class_name.clone())
+        .unwrap_or_default();
+    let Ok(requested) = storage_request(claim) else {
+        return Ok(Action::await_change());
+    };
+    let capacity = pv
+        .spec
+        .as_ref()
+        .and_then(|s| s.capacity.as_ref())
+        .and_then(|c| c.get("storage"))
+        .and_then(|q| parse_bytes(&q.0).ok())
+        .unwrap_or(0);
+    if requested <= capacity {
+        return Ok(Action::await_change());
+    }
+    let classes: Api<StorageClass> = Api::all(ctx.client.clone());
+    let allowed = classes
+        .get_opt(&class_name)
+        .await?
+        .and_then(|c| c.allow_volume_expansion)
+        .unwrap_or(false);
+    if !allowed {
+        return Ok(Action::await_change());
+    }
+    let new_size = round_up_mib(requested);
+    match expand_steps(claim, &pv, &vol, new_size, ctx).await {
+        Ok(()) => {
+            ctx.metrics.resized(&class_name);
+            Ok(Action::await_change())
+        }
+        Err(why) => {
+            ctx.metrics.resize_failed(&class_name);
+            ctx.events
+                .warning(&claim_ref(claim), "VolumeResizeFailed", &why)
+                .await;
+            Err(ReconcileError(why))
+        }
+    }
+}
+
+/// The claim's conditions other than the resize ones.
+fn other_conditions(claim: &PersistentVolumeClaim) -> Vec<serde_json::Value> {
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .map(|cs| {
+            cs.iter()
+                .filter(|c| c.type_ != "Resizing" && c.type_ != "FileSystemResizePending")
+                .filter_map(|c| serde_json::to_value(c).ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+async fn expand_steps(
+    claim: &PersistentVolumeClaim,
+    pv: &PersistentVolume,
+    vol: &VolumeId,
+    new_size: u64,
+    ctx: &Context,
+) -> Result<(), String> {
+    let namespace = claim.namespace().unwrap_or_default();
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &namespace);
+    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
+    let pv_name = pv.name_any();
+    let new_q = bytes_quantity(new_size);
+    let kube_err = |e: kube::Error| format!("Kubernetes API: {e}");
+
+    let mut conditions = other_conditions(claim);
+    conditions.push(json!({"type": "Resizing", "status": "True", "lastTransitionTime": now()}));
+    claims
+        .patch_status(
+            &claim.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {
+                "conditions": conditions,
+                "allocatedResources": {"storage": new_q},
+                "allocatedResourceStatuses": {"storage": "ControllerResizeInProgress"},
+            }})),
+        )
+        .await
+        .map_err(kube_err)?;
+    ctx.events
+        .normal(
+            &claim_ref(claim),
+            "Resizing",
+            &format!("External resizer is resizing volume {pv_name}"),
+        )
+        .await;
+
+    let secret = expand_secret(pv)
+        .or_else(|| deletion_secret(pv))
+        .ok_or("the PV names no controller-expand secret")?;
+    let conn = ctx.connect(&vol.cluster_id, &secret).await?;
+    let provisioner = ctx.name.clone();
+    let vol_c = vol.clone();
+    let pv_c = pv_name.clone();
+    let resized = ctx
+        .ceph(&conn, move |c, m| {
+            volume::expand_image(c, m, &vol_c, &provisioner, &pv_c, new_size)
+        })
+        .await;
+    drop(conn);
+    if let Err(e) = resized {
+        if matches!(e, VolumeError::ShrinkRefused { .. }) {
+            let _ = claims
+                .patch_status(
+                    &claim.name_any(),
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"status": {
+                        "allocatedResourceStatuses": {"storage": "ControllerResizeInfeasible"},
+                    }})),
+                )
+                .await;
+        }
+        return Err(format!("cannot resize image {vol}: {e}"));
+    }
+
+    pvs.patch(
+        &pv_name,
+        &PatchParams::default(),
+        &Patch::Merge(json!({"spec": {"capacity": {"storage": new_q}}})),
+    )
+    .await
+    .map_err(kube_err)?;
+
+    let mut conditions = other_conditions(claim);
+    let status = if claim_volume_mode(claim) == "Block" {
+        json!({"status": {
+            "capacity": {"storage": new_q},
+            "conditions": conditions,
+            "allocatedResources": {"storage": new_q},
+            "allocatedResourceStatuses": null,
+        }})
+    } else {
+        conditions.push(json!({
+            "type": "FileSystemResizePending",
+            "status": "True",
+            "lastTransitionTime": now(),
+            "message": "Waiting for user to (re-)start a pod to finish file system resize of volume on node.",
+        }));
+        json!({"status": {
+            "conditions": conditions,
+            "allocatedResources": {"storage": new_q},
+            "allocatedResourceStatuses": {"storage": "NodeResizePending"},
+        }})
+    };
+    claims
+        .patch_status(
+            &claim.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(status),
+        )
+        .await
+        .map_err(kube_err)?;
+    if claim_volume_mode(claim) == "Block" {
+        ctx.events
+            .normal(
+                &claim_ref(claim),
+                "VolumeResizeSuccessful",
+                "Resize volume succeeded",
+            )
+            .await;
+    } else {
+        ctx.events
+            .normal(
+                &claim_ref(claim),
+                "FileSystemResizeRequired",
+                "Require file system resize of volume on node",
+            )
+            .await;
+    }
+    tracing::info!(pv = %pv_name, image = %vol, bytes = new_size, "expanded");
+    Ok(())
+}
+
+// ---------------------------------------------------------------- volumes --
+
+/// Reconciles a PV: deletes the volume of a released PV with reclaim policy
+/// Delete, or just lets go of a retained one.
+pub async fn reconcile_pv(
+    pv: Arc<PersistentVolume>,
+    ctx: Arc<Context>,
+) -> Result<Action, ReconcileError> {
+    let Some(vol) = our_volume(&pv, &ctx.name) else {
+        return Ok(Action::await_change());
+    };
+    ctx.limiter.acquire().await;
+    let name = pv.name_any();
+    let out = pv_inner(&pv, vol, &ctx).await;
+    if out.is_ok() {
+        ctx.pv_failures.succeeded(&name);
+    }
+    out
+}
+
+/// Requeues a failed PV after its backoff.
+pub fn pv_error_policy(
+    pv: Arc<PersistentVolume>,
+    err: &ReconcileError,
+    ctx: Arc<Context>,
+) -> Action {
+    let name = pv.name_any();
+    let delay = ctx.pv_failures.failed(&name);
+    tracing::warn!(pv = %name, error = %err, retry_in = ?delay, "volume not done; will retry");
+    Action::requeue(delay)
+}
+
+async fn pv_inner(
+    pv: &PersistentVolume,
+    vol: Result<VolumeId, String>,
+    ctx: &Context,
+) -> Result<Action, ReconcileError> {
+    let name = pv.name_any();
+    let spec = pv.spec.clone().unwrap_or_default();
+    let policy = spec
+        .persistent_volume_reclaim_policy
+        .clone()
+        .unwrap_or_else(|| "Delete".to_owned());
+    let phase = pv
+        .status
+        .as_ref()
+        .and_then(|s| s.phase.clone())
+        .unwrap_or_default();
+    let deleting = pv.metadata.deletion_timestamp.is_some();
+    let has_finalizer = pv.finalizers().iter().any(|f| f == PV_FINALIZER);
+    let released = phase == "Released" || (deleting && phase != "Bound");
+    if !released {
+        return Ok(Action::await_change());
+    }
+    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
+    if policy != "Delete" {
+        // Retain: the image stays; we only let go of the PV.
+        if has_finalizer {
+            edit_meta(&pvs, &name, PV_FINALIZER, false, &BTreeMap::new()).await?;
+            tracing::info!(pv = %name, policy = %policy, "released; image kept");
+        }
+        return Ok(Action::await_change());
+    }
+    let class = spec.storage_class_name.clone().unwrap_or_default();
+    let started = ctx.first_attempt(&format!("pv/{name}"));
+    match delete_steps(pv, vol, ctx).await {
+        Ok(outcome) => {
+            edit_meta(&pvs, &name, PV_FINALIZER, false, &BTreeMap::new()).await?;
+            match pvs.delete(&name, &DeleteParams::default()).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(e.into()),
+            }
+            if ctx.finished(&format!("pv/{name}")).is_some() {
+                ctx.metrics.deleted(&class, started.elapsed());
+            }
+            tracing::info!(pv = %name, ?outcome, "volume deleted");
+            Ok(Action::await_change())
+        }
+        Err(why) => {
+            ctx.metrics.delete_failed(&class);
+            ctx.events
+                .warning(&pv.object_ref(&()), "VolumeFailedDelete", &why)
+                .await;
+            Err(ReconcileError(why))
+        }
+    }
+}
+
+async fn delete_steps(
+    pv: &PersistentVolume,
+    vol: Result<VolumeId, String>,
+    ctx: &Context,
+) -> Result<Deleted, String> {
+    let vol = vol?;
+    let secret = deletion_secret(pv).ok_or("the PV names no Secret to delete its volume with")?;
+    let conn = ctx.connect(&vol.cluster_id, &secret).await?;
+    let provisioner = ctx.name.clone();
+    let pv_name = pv.name_any();
+    let vol_c = vol.clone();
+    ctx.ceph(&conn, move |c, m| {
+        volume::delete_image(c, m, &vol_c, &provisioner, &pv_name)
+    })
+    .await
+    .map_err(|e| format!("cannot delete image {vol}: {e}"))
+}

@@ -1,0 +1,819 @@
+//! StorageClass parameters: parsing and validation.
+//!
+//! Everything is checked before anything is created, and every error names
+//! the parameter and says why, because it ends up in a ProvisioningFailed
+//! event on the claim. Unknown parameters are errors too: a typo such as
+//! `imagefeatures` must not silently give an image without the features.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use crate::k8s::quantity::{parse_bytes, MIB};
+use crate::rbd::Features;
+
+/// `clusterID`: the entry of the clusters config to use.
+pub const CLUSTER_ID: &str = "clusterID";
+/// `pool`: the pool for the image.
+pub const POOL: &str = "pool";
+/// `dataPool`: a separate pool for the image's data objects.
+pub const DATA_POOL: &str = "dataPool";
+/// `imageFeatures`: a comma-separated feature list.
+pub const IMAGE_FEATURES: &str = "imageFeatures";
+/// `objectSize`: the object size, a power of two.
+pub const OBJECT_SIZE: &str = "objectSize";
+/// `stripeUnit`: bytes per stripe unit (with `stripeCount`).
+pub const STRIPE_UNIT: &str = "stripeUnit";
+/// `stripeCount`: objects per stripe (with `stripeUnit`).
+pub const STRIPE_COUNT: &str = "stripeCount";
+/// `volumeNamePrefix`: put before the PV name to make the image name.
+pub const VOLUME_NAME_PREFIX: &str = "volumeNamePrefix";
+/// The filesystem type for Filesystem volumes.
+pub const FSTYPE: &str = "csi.storage.k8s.io/fstype";
+/// Provisioner secret name (credentials to create and delete images).
+pub const PROVISIONER_SECRET_NAME: &str = "csi.storage.k8s.io/provisioner-secret-name";
+/// Provisioner secret namespace.
+pub const PROVISIONER_SECRET_NAMESPACE: &str = "csi.storage.k8s.io/provisioner-secret-namespace";
+/// Controller-expand secret name (credentials to resize images).
+pub const EXPAND_SECRET_NAME: &str = "csi.storage.k8s.io/controller-expand-secret-name";
+/// Controller-expand secret namespace.
+pub const EXPAND_SECRET_NAMESPACE: &str = "csi.storage.k8s.io/controller-expand-secret-namespace";
+/// Node-stage secret name (credentials for the node to map images).
+pub const NODE_STAGE_SECRET_NAME: &str = "csi.storage.k8s.io/node-stage-secret-name";
+/// Node-stage secret namespace.
+pub const NODE_STAGE_SECRET_NAMESPACE: &str = "csi.storage.k8s.io/node-stage-secret-namespace";
+
+/// The features an image gets when the class names none: ceph-csi's default.
+pub const DEFAULT_FEATURES: Features = Features::LAYERING;
+/// The filesystem when the class names none.
+pub const DEFAULT_FSTYPE: &str = "ext4";
+/// The object size librbd uses when none is given (order 22).
+pub const DEFAULT_OBJECT_SIZE: u64 = 4 * MIB;
+
+/// Features a class may ask for. The others are set by librbd itself
+/// (`striping`, `data-pool`) or are internal states, not choices.
+const SELECTABLE_FEATURES: Features = Features::from_bits(
+    Features::LAYERING.bits()
+        | Features::EXCLUSIVE_LOCK.bits()
+        | Features::OBJECT_MAP.bits()
+        | Features::FAST_DIFF.bits()
+        | Features::DEEP_FLATTEN.bits()
+        | Features::JOURNALING.bits(),
+);
+
+/// Filesystems the node side knows how to make.
+const FSTYPES: &[&str] = &["ext4", "ext3", "xfs", "btrfs"];
+
+/// A refused parameter: which one and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParamError {
+    /// The parameter's key.
+    pub param: String,
+    /// What is wrong with it.
+    pub why: String,
+}
+
+impl ParamError {
+    fn new(param: &str, why: impl Into<String>) -> ParamError {
+        ParamError {
+            param: param.to_owned(),
+            why: why.into(),
+        }
+    }
+}
+
+impl fmt::Display for ParamError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "StorageClass parameter {:?}: {}", self.param, self.why)
+    }
+}
+
+impl std::error::Error for ParamError {}
+
+/// A reference to a Secret whose name and namespace may hold templates such
+/// as `${pvc.namespace}`, resolved per claim by [`SecretTemplate::resolve`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SecretTemplate {
+    /// The name, possibly templated.
+    pub name: String,
+    /// The namespace, possibly templated.
+    pub namespace: String,
+    /// Whether `${pvc.annotations['...']}` is allowed in the name (not for
+    /// the provisioner secret: a claim's author must not pick the
+    /// credentials the provisioner itself uses).
+    allow_annotations: bool,
+    /// The parameter key of the name, for errors.
+    name_param: &'static str,
+    /// The parameter key of the namespace, for errors.
+    namespace_param: &'static str,
+}
+
+/// A resolved Secret reference.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SecretRef {
+    /// The Secret's namespace.
+    pub namespace: String,
+    /// The Secret's name.
+    pub name: String,
+}
+
+impl fmt::Display for SecretRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// What templates can refer to.
+#[derive(Debug, Clone, Copy)]
+pub struct TemplateContext<'a> {
+    /// The PV name (`pvc-<uid>`).
+    pub pv_name: &'a str,
+    /// The claim's namespace.
+    pub pvc_namespace: &'a str,
+    /// The claim's name.
+    pub pvc_name: &'a str,
+    /// The claim's annotations.
+    pub pvc_annotations: &'a BTreeMap<String, String>,
+}
+
+impl SecretTemplate {
+    /// Substitutes the templates and checks that the results are valid
+    /// names.
+    pub fn resolve(&self, ctx: &TemplateContext<'_>) -> Result<SecretRef, ParamError> {
+        let namespace = expand(&self.namespace, Some(ctx), false, false)
+            .map_err(|why| ParamError::new(self.namespace_param, why))?;
+        let name = expand(&self.name, Some(ctx), true, self.allow_annotations)
+            .map_err(|why| ParamError::new(self.name_param, why))?;
+        check_dns_label(&namespace).map_err(|why| {
+            ParamError::new(
+                self.namespace_param,
+                format!("resolves to {namespace:?}, {why}"),
+            )
+        })?;
+        check_dns_subdomain(&name).map_err(|why| {
+            ParamError::new(self.name_param, format!("resolves to {name:?}, {why}"))
+        })?;
+        Ok(SecretRef { namespace, name })
+    }
+
+    fn parse(
+        params: &BTreeMap<String, String>,
+        name_param: &'static str,
+        namespace_param: &'static str,
+        allow_annotations: bool,
+    ) -> Result<Option<SecretTemplate>, ParamError> {
+        let name = params.get(name_param);
+        let namespace = params.get(namespace_param);
+        let (name, namespace) = match (name, namespace) {
+            (None, None) => return Ok(None),
+            (Some(_), None) => {
+                return Err(ParamError::new(
+                    namespace_param,
+                    format!("missing; it must be set together with {name_param}"),
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(ParamError::new(
+                    name_param,
+                    format!("missing; it must be set together with {namespace_param}"),
+                ))
+            }
+            (Some(n), Some(ns)) => (n, ns),
+        };
+        let t = SecretTemplate {
+            name: name.clone(),
+            namespace: namespace.clone(),
+            allow_annotations,
+            name_param,
+            namespace_param,
+        };
+        // Check the templates now, so that a bad one is reported whatever
+        // the claim.
+        expand(&t.namespace, None, false, false)
+            .map_err(|why| ParamError::new(namespace_param, why))?;
+        expand(&t.name, None, true, allow_annotations)
+            .map_err(|why| ParamError::new(name_param, why))?;
+        Ok(Some(t))
+    }
+}
+
+/// Expands `${pv.name}`, `${pvc.namespace}`, `${pvc.name}` (names only) and
+/// `${pvc.annotations['KEY']}` (names only, when allowed).
+///
+/// Without a context, only checks the syntax (and substitutes `x`).
+fn expand(
+    text: &str,
+    ctx: Option<&TemplateContext<'_>>,
+    name: bool,
+    annotations: bool,
+) -> Result<String, String> {
+    let x = "x";
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        let end = after
+            .find('}')
+            .ok_or_else(|| format!("unterminated template in {text:?}"))?;
+        let var = &after[..end];
+        let value = match var {
+            "pv.name" => ctx.map_or(x, |c| c.pv_name).to_owned(),
+            "pvc.namespace" => ctx.map_or(x, |c| c.pvc_namespace).to_owned(),
+            "pvc.name" if name => ctx.map_or(x, |c| c.pvc_name).to_owned(),
+            v if v.starts_with("pvc.annotations['") && v.ends_with("']") => {
+                if !(name && annotations) {
+                    return Err(format!("template ${{{v}}} is not allowed here"));
+                }
+                let key = &v["pvc.annotations['".len()..v.len() - 2];
+                match ctx {
+                    None => x.to_owned(),
+                    Some(c) => c.pvc_annotations.get(key).cloned().ok_or_else(|| {
+                        format!("the claim has no annotation {key:?} for ${{{v}}}")
+                    })?,
+                }
+            }
+            other if name => {
+                return Err(format!(
+                    "unknown template ${{{other}}}; use ${{pv.name}}, ${{pvc.namespace}} or ${{pvc.name}}"
+                ))
+            }
+            other => {
+                return Err(format!(
+                    "unknown template ${{{other}}}; a namespace may use ${{pv.name}} or ${{pvc.namespace}}"
+                ))
+            }
+        };
+        out.push_str(&value);
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+fn check_dns_label(s: &str) -> Result<(), String> {
+    let ok = !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err("which is not a valid namespace name".into())
+    }
+}
+
+fn check_dns_subdomain(s: &str) -> Result<(), String> {
+    let ok = !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|label| {
+            !label.is_empty()
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err("which is not a valid Secret name".into())
+    }
+}
+
+/// A StorageClass's parameters, validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClassParams {
+    /// The clusters-config entry.
+    pub cluster_id: String,
+    /// The pool.
+    pub pool: String,
+    /// The data pool, if any.
+    pub data_pool: Option<String>,
+    /// The image features.
+    pub features: Features,
+    /// The object size in bytes, if not the default.
+    pub object_size: Option<u64>,
+    /// Stripe unit and count, if given.
+    pub striping: Option<(u64, u64)>,
+    /// The filesystem of Filesystem volumes.
+    pub fs_type: String,
+    /// Put before the PV name to make the image name (empty by default).
+    pub volume_name_prefix: String,
+    /// Credentials to create and delete images.
+    pub provisioner_secret: SecretTemplate,
+    /// Credentials to expand images (the provisioner secret if not given).
+    pub expand_secret: Option<SecretTemplate>,
+    /// Credentials for the node (not used here, put on the PV).
+    pub node_stage_secret: Option<SecretTemplate>,
+}
+
+impl ClassParams {
+    /// Parses and validates a class's parameters.
+    pub fn parse(params: &BTreeMap<String, String>) -> Result<ClassParams, ParamError> {
+        const KNOWN: &[&str] = &[
+            CLUSTER_ID,
+            POOL,
+            DATA_POOL,
+            IMAGE_FEATURES,
+            OBJECT_SIZE,
+            STRIPE_UNIT,
+            STRIPE_COUNT,
+            VOLUME_NAME_PREFIX,
+            FSTYPE,
+            PROVISIONER_SECRET_NAME,
+            PROVISIONER_SECRET_NAMESPACE,
+            EXPAND_SECRET_NAME,
+            EXPAND_SECRET_NAMESPACE,
+            NODE_STAGE_SECRET_NAME,
+            NODE_STAGE_SECRET_NAMESPACE,
+        ];
+        if let Some(unknown) = params.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+            return Err(ParamError::new(
+                unknown,
+                format!("unknown parameter; known ones: {}", KNOWN.join(", ")),
+            ));
+        }
+        let required = |key: &str| -> Result<String, ParamError> {
+            match params.get(key).map(|v| v.trim()) {
+                Some(v) if !v.is_empty() => Ok(v.to_owned()),
+                Some(_) => Err(ParamError::new(key, "is empty")),
+                None => Err(ParamError::new(key, "is required")),
+            }
+        };
+        let cluster_id = required(CLUSTER_ID)?;
+        let pool = required(POOL)?;
+        check_pool_name(POOL, &pool)?;
+        let data_pool = match params.get(DATA_POOL) {
+            Some(p) => {
+                check_pool_name(DATA_POOL, p)?;
+                Some(p.clone())
+            }
+            None => None,
+        };
+
+        let features = match params.get(IMAGE_FEATURES) {
+            None => DEFAULT_FEATURES,
+            Some(text) => {
+                let f: Features = text.parse().map_err(|e: crate::Error| {
+                    // The library's message names the unknown feature.
+                    let msg = e.to_string();
+                    let why = msg
+                        .split_once("failed: ")
+                        .map(|(_, w)| w.trim_end_matches(" (EINVAL)").to_owned())
+                        .unwrap_or(msg);
+                    ParamError::new(IMAGE_FEATURES, why)
+                })?;
+                if f.is_empty() {
+                    return Err(ParamError::new(
+                        IMAGE_FEATURES,
+                        "is empty; name at least one feature, such as layering",
+                    ));
+                }
+                let not_selectable = f.without(SELECTABLE_FEATURES);
+                if !not_selectable.is_empty() {
+                    return Err(ParamError::new(
+                        IMAGE_FEATURES,
+                        format!(
+                            "feature {not_selectable} cannot be requested; choose from {SELECTABLE_FEATURES}"
+                        ),
+                    ));
+                }
+                f.check_dependencies()
+                    .map_err(|why| ParamError::new(IMAGE_FEATURES, why))?;
+                f
+            }
+        };
+
+        let object_size = match params.get(OBJECT_SIZE) {
+            None => None,
+            Some(text) => {
+                let bytes =
+                    parse_bytes(text).map_err(|e| ParamError::new(OBJECT_SIZE, e.to_string()))?;
+                if !bytes.is_power_of_two() {
+                    return Err(ParamError::new(
+                        OBJECT_SIZE,
+                        format!("{bytes} bytes is not a power of two"),
+                    ));
+                }
+                if !(4096..=64 * MIB).contains(&bytes) {
+                    return Err(ParamError::new(
+                        OBJECT_SIZE,
+                        format!("{bytes} bytes is outside 4Ki..64Mi"),
+                    ));
+                }
+                Some(bytes)
+            }
+        };
+
+        let striping = match (params.get(STRIPE_UNIT), params.get(STRIPE_COUNT)) {
+            (None, None) => None,
+            (Some(_), None) => {
+                return Err(ParamError::new(
+                    STRIPE_COUNT,
+                    format!("missing; it must be set together with {STRIPE_UNIT}"),
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(ParamError::new(
+                    STRIPE_UNIT,
+                    format!("missing; it must be set together with {STRIPE_COUNT}"),
+                ))
+            }
+            (Some(unit), Some(count)) => {
+                let unit =
+                    parse_bytes(unit).map_err(|e| ParamError::new(STRIPE_UNIT, e.to_string()))?;
+                let count: u64 = count.trim().parse().map_err(|_| {
+                    ParamError::new(STRIPE_COUNT, format!("{count:?} is not a whole number"))
+                })?;
+                if count == 0 {
+                    return Err(ParamError::new(STRIPE_COUNT, "must be at least 1"));
+                }
+                let osize = object_size.unwrap_or(DEFAULT_OBJECT_SIZE);
+                if unit == 0 || osize % unit != 0 {
+                    return Err(ParamError::new(
+                        STRIPE_UNIT,
+                        format!(
+                            "{unit} bytes must be > 0 and divide the object size ({osize} bytes)"
+                        ),
+                    ));
+                }
+                Some((unit, count))
+            }
+        };
+        let features = match striping {
+            Some((unit, count))
+                if unit != object_size.unwrap_or(DEFAULT_OBJECT_SIZE) || count != 1 =>
+            {
+                features | Features::STRIPING
+            }
+            _ => features,
+        };
+
+        let fs_type = params
+            .get(FSTYPE)
+            .map(|s| s.trim().to_owned())
+            .unwrap_or_else(|| DEFAULT_FSTYPE.to_owned());
+        if !FSTYPES.contains(&fs_type.as_str()) {
+            return Err(ParamError::new(
+                FSTYPE,
+                format!(
+                    "{fs_type:?} is not supported; use one of {}",
+                    FSTYPES.join(", ")
+                ),
+            ));
+        }
+
+        let volume_name_prefix = params.get(VOLUME_NAME_PREFIX).cloned().unwrap_or_default();
+        if volume_name_prefix.len() > 64
+            || !volume_name_prefix
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+        {
+            return Err(ParamError::new(
+                VOLUME_NAME_PREFIX,
+                "may hold at most 64 letters, digits, '-', '_' or '.'",
+            ));
+        }
+
+        let provisioner_secret = SecretTemplate::parse(
+            params,
+            PROVISIONER_SECRET_NAME,
+            PROVISIONER_SECRET_NAMESPACE,
+            false,
+        )?
+        .ok_or_else(|| {
+            ParamError::new(
+                PROVISIONER_SECRET_NAME,
+                "is required: the provisioner needs a Secret with userID and userKey",
+            )
+        })?;
+        let expand_secret =
+            SecretTemplate::parse(params, EXPAND_SECRET_NAME, EXPAND_SECRET_NAMESPACE, true)?;
+        let node_stage_secret = SecretTemplate::parse(
+            params,
+            NODE_STAGE_SECRET_NAME,
+            NODE_STAGE_SECRET_NAMESPACE,
+            true,
+        )?;
+
+        Ok(ClassParams {
+            cluster_id,
+            pool,
+            data_pool,
+            features,
+            object_size,
+            striping,
+            fs_type,
+            volume_name_prefix,
+            provisioner_secret,
+            expand_secret,
+            node_stage_secret,
+        })
+    }
+
+    /// The librbd options for a new image.
+    pub fn image_options(&self) -> crate::Result<crate::rbd::ImageOptions> {
+        let mut o = crate::rbd::ImageOptions::new().features(self.features);
+        if let Some(size) = self.object_size {
+            o = o.object_size(size)?;
+        }
+        if let Some((unit, count)) = self.striping {
+            o = o.striping(unit, count)?;
+        }
+        if let Some(p) = &self.data_pool {
+            o = o.data_pool(p.clone());
+        }
+        Ok(o)
+    }
+
+    /// The image name for a PV: the prefix, then the PV name.
+    pub fn image_name(&self, pv_name: &str) -> String {
+        format!("{}{pv_name}", self.volume_name_prefix)
+    }
+}
+
+fn check_pool_name(param: &str, name: &str) -> Result<(), ParamError> {
+    if name.is_empty() || name.contains('/') || name.contains('@') || name.trim() != name {
+        return Err(ParamError::new(
+            param,
+            format!("{name:?} is not a valid pool name"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a claim's access modes and volume mode: RWO, RWOP and ROX are
+/// fine; RWX only for Block volumes (a shared filesystem on RBD would be
+/// corrupted by two writers).
+pub fn check_access(access_modes: &[String], volume_mode: &str) -> Result<(), String> {
+    if access_modes.is_empty() {
+        return Err("the claim has no access modes".into());
+    }
+    if volume_mode != "Filesystem" && volume_mode != "Block" {
+        return Err(format!("volume mode {volume_mode:?} is not supported"));
+    }
+    for mode in access_modes {
+        match mode.as_str() {
+            "ReadWriteOnce" | "ReadWriteOncePod" | "ReadOnlyMany" => {}
+            "ReadWriteMany" if volume_mode == "Block" => {}
+            "ReadWriteMany" => {
+                return Err(
+                    "access mode ReadWriteMany needs volumeMode Block: an RBD filesystem cannot be mounted read-write on several nodes"
+                        .into(),
+                )
+            }
+            other => return Err(format!("access mode {other:?} is not supported")),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        let mut m: BTreeMap<String, String> = [
+            (CLUSTER_ID, "c1"),
+            (POOL, "rbd"),
+            (PROVISIONER_SECRET_NAME, "ceph-secret"),
+            (PROVISIONER_SECRET_NAMESPACE, "ceph"),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        for (k, v) in pairs {
+            m.insert(k.to_string(), v.to_string());
+        }
+        m
+    }
+
+    fn without(keys: &[&str]) -> ParamError {
+        let mut m = params(&[]);
+        for k in keys {
+            m.remove(*k);
+        }
+        ClassParams::parse(&m).unwrap_err()
+    }
+
+    fn err(pairs: &[(&str, &str)]) -> ParamError {
+        ClassParams::parse(&params(pairs)).unwrap_err()
+    }
+
+    #[test]
+    fn minimal_class_gets_defaults() {
+        let p = ClassParams::parse(&params(&[])).unwrap();
+        assert_eq!(p.cluster_id, "c1");
+        assert_eq!(p.pool, "rbd");
+        assert_eq!(p.data_pool, None);
+        assert_eq!(p.features, Features::LAYERING);
+        assert_eq!(p.object_size, None);
+        assert_eq!(p.striping, None);
+        assert_eq!(p.fs_type, "ext4");
+        assert_eq!(p.image_name("pvc-1"), "pvc-1");
+        assert_eq!(p.expand_secret, None);
+        assert_eq!(p.node_stage_secret, None);
+    }
+
+    #[test]
+    fn full_class_parses() {
+        let p = ClassParams::parse(&params(&[
+            (DATA_POOL, "ec-data"),
+            (
+                IMAGE_FEATURES,
+                "layering,exclusive-lock,object-map,fast-diff",
+            ),
+            (OBJECT_SIZE, "8Mi"),
+            (STRIPE_UNIT, "1Mi"),
+            (STRIPE_COUNT, "4"),
+            (FSTYPE, "xfs"),
+            (VOLUME_NAME_PREFIX, "k8s-"),
+            (EXPAND_SECRET_NAME, "x-${pvc.name}"),
+            (EXPAND_SECRET_NAMESPACE, "${pvc.namespace}"),
+            (NODE_STAGE_SECRET_NAME, "node"),
+            (NODE_STAGE_SECRET_NAMESPACE, "ceph"),
+        ]))
+        .unwrap();
+        assert_eq!(p.data_pool.as_deref(), Some("ec-data"));
+        assert!(p
+            .features
+            .contains(Features::FAST_DIFF | Features::STRIPING));
+        assert_eq!(p.object_size, Some(8 * MIB));
+        assert_eq!(p.striping, Some((MIB, 4)));
+        assert_eq!(p.fs_type, "xfs");
+        assert_eq!(p.image_name("pvc-1"), "k8s-pvc-1");
+        let opts = p.image_options().unwrap();
+        assert_eq!(opts.get_order(), Some(23));
+    }
+
+    #[test]
+    fn unknown_parameter_is_named() {
+        let e = err(&[("imagefeatures", "layering")]);
+        assert_eq!(e.param, "imagefeatures");
+        assert!(e.why.contains("unknown parameter"), "{e}");
+        assert!(e.to_string().contains("\"imagefeatures\""));
+    }
+
+    #[test]
+    fn required_parameters() {
+        assert_eq!(without(&[CLUSTER_ID]).param, CLUSTER_ID);
+        assert_eq!(without(&[POOL]).why, "is required");
+        assert_eq!(err(&[(POOL, " ")]).why, "is empty");
+        let e = without(&[PROVISIONER_SECRET_NAME, PROVISIONER_SECRET_NAMESPACE]);
+        assert_eq!(e.param, PROVISIONER_SECRET_NAME);
+    }
+
+    #[test]
+    fn feature_dependencies_and_names_are_checked() {
+        let e = err(&[(IMAGE_FEATURES, "layering,object-map")]);
+        assert_eq!(e.param, IMAGE_FEATURES);
+        assert!(e.why.contains("exclusive-lock"), "{e}");
+        assert!(err(&[(IMAGE_FEATURES, "exclusive-lock,fast-diff")])
+            .why
+            .contains("object-map"));
+        assert!(err(&[(IMAGE_FEATURES, "journaling")])
+            .why
+            .contains("exclusive-lock"));
+        assert!(err(&[(IMAGE_FEATURES, "layering,bogus")])
+            .why
+            .contains("bogus"));
+        assert!(err(&[(IMAGE_FEATURES, "")]).why.contains("empty"));
+        assert!(err(&[(IMAGE_FEATURES, "layering,migrating")])
+            .why
+            .contains("cannot be requested"));
+        let ok = ClassParams::parse(&params(&[(
+            IMAGE_FEATURES,
+            "layering,exclusive-lock,journaling,deep-flatten",
+        )]));
+        assert!(ok.is_ok());
+    }
+
+    #[test]
+    fn object_size_and_striping_are_checked() {
+        assert!(err(&[(OBJECT_SIZE, "3Mi")]).why.contains("power of two"));
+        assert!(err(&[(OBJECT_SIZE, "128Mi")]).why.contains("outside"));
+        assert!(err(&[(OBJECT_SIZE, "1Ki")]).why.contains("outside"));
+        assert_eq!(err(&[(OBJECT_SIZE, "lots")]).param, OBJECT_SIZE);
+        assert_eq!(err(&[(STRIPE_UNIT, "64Ki")]).param, STRIPE_COUNT);
+        assert_eq!(err(&[(STRIPE_COUNT, "2")]).param, STRIPE_UNIT);
+        assert!(err(&[(STRIPE_UNIT, "3Ki"), (STRIPE_COUNT, "2")])
+            .why
+            .contains("divide"));
+        assert!(err(&[(STRIPE_UNIT, "8Mi"), (STRIPE_COUNT, "2")])
+            .why
+            .contains("divide"));
+        assert_eq!(
+            err(&[(STRIPE_UNIT, "1Mi"), (STRIPE_COUNT, "0")]).param,
+            STRIPE_COUNT
+        );
+        assert_eq!(
+            err(&[(STRIPE_UNIT, "1Mi"), (STRIPE_COUNT, "x")]).param,
+            STRIPE_COUNT
+        );
+        // The default striping is no striping.
+        let p = ClassParams::parse(&params(&[(STRIPE_UNIT, "4Mi"), (STRIPE_COUNT, "1")])).unwrap();
+        assert!(!p.features.contains(Features::STRIPING));
+    }
+
+    #[test]
+    fn other_values_are_checked() {
+        assert_eq!(err(&[(FSTYPE, "ntfs")]).param, FSTYPE);
+        assert_eq!(
+            err(&[(VOLUME_NAME_PREFIX, "a/b")]).param,
+            VOLUME_NAME_PREFIX
+        );
+        assert_eq!(err(&[(POOL, "a/b")]).param, POOL);
+        assert_eq!(err(&[(DATA_POOL, "x@y")]).param, DATA_POOL);
+    }
+
+    #[test]
+    fn secrets_come_in_pairs_and_templates_resolve() {
+        assert_eq!(
+            err(&[(NODE_STAGE_SECRET_NAME, "n")]).param,
+            NODE_STAGE_SECRET_NAMESPACE
+        );
+        assert_eq!(
+            err(&[(EXPAND_SECRET_NAMESPACE, "n")]).param,
+            EXPAND_SECRET_NAME
+        );
+        assert!(err(&[(PROVISIONER_SECRET_NAME, "${pvc.annotations['x']}")])
+            .why
+            .contains("not allowed"));
+        assert!(err(&[(PROVISIONER_SECRET_NAMESPACE, "${pvc.name}")])
+            .why
+            .contains("unknown template"));
+        assert!(err(&[(PROVISIONER_SECRET_NAME, "${pv.name")])
+            .why
+            .contains("unterminated"));
+
+        let p = ClassParams::parse(&params(&[
+            (PROVISIONER_SECRET_NAME, "prov-${pvc.namespace}"),
+            (PROVISIONER_SECRET_NAMESPACE, "${pvc.namespace}"),
+            (NODE_STAGE_SECRET_NAME, "${pvc.annotations['team/secret']}"),
+            (NODE_STAGE_SECRET_NAMESPACE, "ceph"),
+        ]))
+        .unwrap();
+        let mut ann = BTreeMap::new();
+        ann.insert("team/secret".to_owned(), "team-a-key".to_owned());
+        let ctx = TemplateContext {
+            pv_name: "pvc-123",
+            pvc_namespace: "apps",
+            pvc_name: "data",
+            pvc_annotations: &ann,
+        };
+        assert_eq!(
+            p.provisioner_secret.resolve(&ctx).unwrap(),
+            SecretRef {
+                namespace: "apps".into(),
+                name: "prov-apps".into()
+            }
+        );
+        assert_eq!(
+            p.node_stage_secret
+                .as_ref()
+                .unwrap()
+                .resolve(&ctx)
+                .unwrap()
+                .name,
+            "team-a-key"
+        );
+        let empty = BTreeMap::new();
+        let e = p
+            .node_stage_secret
+            .as_ref()
+            .unwrap()
+            .resolve(&TemplateContext {
+                pvc_annotations: &empty,
+                ..ctx
+            })
+            .unwrap_err();
+        assert!(e.why.contains("no annotation"), "{e}");
+        let bad = BTreeMap::from([("team/secret".to_owned(), "Not_Valid".to_owned())]);
+        let e = p
+            .node_stage_secret
+            .as_ref()
+            .unwrap()
+            .resolve(&TemplateContext {
+                pvc_annotations: &bad,
+                ..ctx
+            })
+            .unwrap_err();
+        assert!(e.why.contains("not a valid Secret name"), "{e}");
+    }
+
+    #[test]
+    fn access_modes() {
+        let m = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(check_access(&m(&["ReadWriteOnce"]), "Filesystem").is_ok());
+        assert!(check_access(&m(&["ReadWriteOncePod"]), "Block").is_ok());
+        assert!(check_access(&m(&["ReadOnlyMany"]), "Filesystem").is_ok());
+        assert!(check_access(&m(&["ReadWriteMany"]), "Block").is_ok());
+        let e = check_access(&m(&["ReadWriteOnce", "ReadWriteMany"]), "Filesystem").unwrap_err();
+        assert!(e.contains("Block"), "{e}");
+        assert!(check_access(&[], "Filesystem").is_err());
+        assert!(check_access(&m(&["ReadWriteOnce"]), "Other").is_err());
+        assert!(check_access(&m(&["Sometimes"]), "Block").is_err());
+    }
+}

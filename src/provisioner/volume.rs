@@ -1,0 +1,397 @@
+//! The Ceph side of provisioning: create, delete and expand images, always
+//! checking that an image is ours before touching it.
+//!
+//! Ownership is recorded in the image's metadata (`rbdkit.*` keys: the
+//! provisioner, PV, claim and cluster). An image without it, or made for
+//! another PV or provisioner, is never removed or resized.
+//!
+//! A new image is created under a temporary name, given its metadata, and
+//! only then renamed to its final name, so the final name never exists
+//! without an owner record, even if the process dies in between. A retry
+//! adopts the temporary image.
+//!
+//! Every function here is blocking: call it through
+//! [`crate::blocking::BlockingPool`].
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use crate::provisioner::metrics::Metrics;
+use crate::provisioner::pv::VolumeId;
+use crate::rados::{Cluster, IoCtx};
+use crate::rbd::{self, Image, ImageOptions};
+use crate::{Error, ErrorKind};
+
+/// Metadata key: the provisioner that made the image.
+pub const META_PROVISIONER: &str = "rbdkit.provisioner";
+/// Metadata key: the PV the image backs.
+pub const META_PV: &str = "rbdkit.pv";
+/// Metadata key: the claim's namespace.
+pub const META_PVC_NAMESPACE: &str = "rbdkit.pvc.namespace";
+/// Metadata key: the claim's name.
+pub const META_PVC_NAME: &str = "rbdkit.pvc.name";
+/// Metadata key: the cluster id.
+pub const META_CLUSTER: &str = "rbdkit.cluster";
+
+/// Suffix of the temporary name a new image is created under.
+pub const TEMP_SUFFIX: &str = ".rbdkit-new";
+
+/// Who an image belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    /// The provisioner name.
+    pub provisioner: String,
+    /// The PV name.
+    pub pv_name: String,
+    /// The claim's namespace.
+    pub pvc_namespace: String,
+    /// The claim's name.
+    pub pvc_name: String,
+    /// The cluster id.
+    pub cluster_id: String,
+}
+
+impl Owner {
+    fn pairs(&self) -> [(&'static str, &str); 5] {
+        [
+            (META_PROVISIONER, &self.provisioner),
+            (META_PV, &self.pv_name),
+            (META_PVC_NAMESPACE, &self.pvc_namespace),
+            (META_PVC_NAME, &self.pvc_name),
+            (META_CLUSTER, &self.cluster_id),
+        ]
+    }
+}
+
+/// Why a volume operation did not complete.
+#[derive(Debug, Clone)]
+pub enum VolumeError {
+    /// A Ceph call failed.
+    Ceph(Error),
+    /// The image exists but is not ours to touch.
+    NotOwned {
+        /// The image.
+        image: String,
+        /// Why it is not ours.
+        why: String,
+    },
+    /// The image is open somewhere (it has watchers).
+    InUse {
+        /// The image.
+        image: String,
+        /// How many clients have it open.
+        watchers: usize,
+    },
+    /// The image is bigger than the size asked for.
+    ShrinkRefused {
+        /// The image.
+        image: String,
+        /// Its size.
+        current: u64,
+        /// The size asked for.
+        requested: u64,
+    },
+    /// The image is in the trash but cannot be purged yet.
+    PurgeBlocked {
+        /// The image.
+        image: String,
+        /// Why (snapshots, clones).
+        why: String,
+    },
+    /// The image to expand does not exist.
+    Missing {
+        /// The image.
+        image: String,
+    },
+}
+
+impl fmt::Display for VolumeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            VolumeError::Ceph(e) => write!(f, "{e}"),
+            VolumeError::NotOwned { image, why } => {
+                write!(f, "image {image} is not managed by this provisioner ({why}); leaving it alone")
+            }
+            VolumeError::InUse { image, watchers } => write!(
+                f,
+                "image {image} is in use ({watchers} client(s) have it open); will retry once it is released"
+            ),
+            VolumeError::ShrinkRefused {
+                image,
+                current,
+                requested,
+            } => write!(
+                f,
+                "image {image} is {current} bytes; shrinking it to {requested} bytes is refused"
+            ),
+            VolumeError::PurgeBlocked { image, why } => write!(
+                f,
+                "image {image} was moved to the trash but cannot be purged yet: {why}"
+            ),
+            VolumeError::Missing { image } => write!(f, "image {image} does not exist"),
+        }
+    }
+}
+
+impl std::error::Error for VolumeError {}
+
+impl From<Error> for VolumeError {
+    fn from(e: Error) -> Self {
+        VolumeError::Ceph(e)
+    }
+}
+
+impl VolumeError {
+    /// The Ceph error, if this is one.
+    pub fn ceph(&self) -> Option<&Error> {
+        match self {
+            VolumeError::Ceph(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// Times one Ceph call into `rbdkit_ceph_op_duration_seconds`.
+fn timed<T>(metrics: &Metrics, op: &str, f: impl FnOnce() -> crate::Result<T>) -> crate::Result<T> {
+    let started = Instant::now();
+    let out = f();
+    metrics.ceph_op(op, started);
+    out
+}
+
+fn ioctx(cluster: &Cluster, metrics: &Metrics, vol: &VolumeId) -> crate::Result<IoCtx> {
+    timed(metrics, "ioctx", || {
+        cluster.ioctx_ns(&vol.pool, &vol.rados_namespace)
+    })
+}
+
+/// Checks an image's owner record against `provisioner` and `pv_name`.
+fn check_owner(
+    image: &Image,
+    metrics: &Metrics,
+    provisioner: &str,
+    pv_name: &str,
+) -> Result<(), VolumeError> {
+    let meta: BTreeMap<String, String> = timed(metrics, "metadata_list", || image.metadata_list())?;
+    let name = image.name().to_owned();
+    match (meta.get(META_PROVISIONER), meta.get(META_PV)) {
+        (Some(p), Some(v)) if p == provisioner && v == pv_name => Ok(()),
+        (Some(p), Some(v)) => Err(VolumeError::NotOwned {
+            image: name,
+            why: format!("it belongs to provisioner {p:?}, PV {v:?}"),
+        }),
+        _ => Err(VolumeError::NotOwned {
+            image: name,
+            why: "it has no rbdkit owner metadata".into(),
+        }),
+    }
+}
+
+/// Makes sure the image of `vol` exists, is ours, and is at least `size`
+/// bytes; creates it if needed. Returns its size.
+pub fn ensure_image(
+    cluster: &Cluster,
+    metrics: &Metrics,
+    vol: &VolumeId,
+    size: u64,
+    options: &ImageOptions,
+    owner: &Owner,
+) -> Result<u64, VolumeError> {
+    let io = ioctx(cluster, metrics, vol)?;
+    // Already there (a retry after the PV create failed, or after a crash)?
+    if let Some(existing) = open_if_exists(&io, metrics, &vol.image)? {
+        check_owner(&existing, metrics, &owner.provisioner, &owner.pv_name)?;
+        let current = timed(metrics, "size", || existing.size())?;
+        return Ok(current);
+    }
+    let temp = format!("{}{TEMP_SUFFIX}", vol.image);
+    // A create that was cut short leaves the temporary image: adopt it.
+    match timed(metrics, "create", || rbd::create(&io, &temp, size, options)) {
+        Ok(()) => {}
+        Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(e.into()),
+    }
+    let image = timed(metrics, "open", || Image::open(&io, &temp))?;
+    for (k, v) in owner.pairs() {
+        timed(metrics, "metadata_set", || image.metadata_set(k, v))?;
+    }
+    let current = timed(metrics, "size", || image.size())?;
+    timed(metrics, "close", || image.close())?;
+    match timed(metrics, "rename", || rbd::rename(&io, &temp, &vol.image)) {
+        Ok(()) => Ok(current),
+        // Someone (an earlier leader) finished first: check what is there.
+        Err(e) if matches!(e.kind(), ErrorKind::AlreadyExists | ErrorKind::NotFound) => {
+            let img = timed(metrics, "open", || Image::open_read_only(&io, &vol.image))?;
+            check_owner(&img, metrics, &owner.provisioner, &owner.pv_name)?;
+            Ok(timed(metrics, "size", || img.size())?)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn open_if_exists(io: &IoCtx, metrics: &Metrics, name: &str) -> Result<Option<Image>, VolumeError> {
+    match timed(metrics, "open", || Image::open_read_only(io, name)) {
+        Ok(img) => Ok(Some(img)),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// What [`delete_image`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Deleted {
+    /// The image was removed.
+    Removed,
+    /// It went through the trash (it had snapshots or clones) and was purged.
+    Purged,
+    /// There was nothing to remove.
+    AlreadyGone,
+}
+
+/// Removes the image of `vol` (and a leftover temporary image) if it is
+/// ours and nobody has it open. Never forces: an image in use is an
+/// [`VolumeError::InUse`] error to retry later.
+pub fn delete_image(
+    cluster: &Cluster,
+    metrics: &Metrics,
+    vol: &VolumeId,
+    provisioner: &str,
+    pv_name: &str,
+) -> Result<Deleted, VolumeError> {
+    let io = ioctx(cluster, metrics, vol)?;
+    let temp = format!("{}{TEMP_SUFFIX}", vol.image);
+    let mut outcome = Deleted::AlreadyGone;
+    for name in [vol.image.as_str(), temp.as_str()] {
+        let Some(image) = open_if_exists(&io, metrics, name)? else {
+            continue;
+        };
+        match check_owner(&image, metrics, provisioner, pv_name) {
+            Ok(()) => {}
+            // A temporary image cut short before its metadata was written
+            // has no owner record; its name is derived from this PV's uid,
+            // so it can only be ours.
+            Err(VolumeError::NotOwned { .. }) if name == temp => {
+                let meta = timed(metrics, "metadata_list", || image.metadata_list())?;
+                if meta.keys().any(|k| k.starts_with("rbdkit.")) {
+                    return Err(VolumeError::NotOwned {
+                        image: name.to_owned(),
+                        why: "its owner metadata names someone else".into(),
+                    });
+                }
+            }
+            Err(e) => return Err(e),
+        }
+        let watchers = timed(metrics, "watchers", || image.watchers())?;
+        if !watchers.is_empty() {
+            return Err(VolumeError::InUse {
+                image: name.to_owned(),
+                watchers: watchers.len(),
+            });
+        }
+        let id = timed(metrics, "id", || image.id())?;
+        drop(image);
+        match timed(metrics, "remove", || rbd::remove(&io, name)) {
+            Ok(()) => outcome = Deleted::Removed,
+            Err(e) if e.kind() == ErrorKind::NotFound => {}
+            Err(e)
+                if e.kind() == ErrorKind::Busy
+                    && !has_snapshots_or_children(&io, metrics, name) =>
+            {
+                return Err(VolumeError::InUse {
+                    image: name.to_owned(),
+                    watchers: 0,
+                })
+            }
+            Err(e) if matches!(e.kind(), ErrorKind::HasSnapshots | ErrorKind::Busy) => {
+                timed(metrics, "trash_move", || {
+                    rbd::trash_move(&io, name, Duration::ZERO)
+                })?;
+                purge(&io, metrics, name, &id)?;
+                outcome = Deleted::Purged;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    // A retry after a trash move: finish the purge.
+    if outcome == Deleted::AlreadyGone {
+        let entries = timed(metrics, "trash_list", || rbd::trash_list(&io))?;
+        for entry in entries.iter().filter(|e| e.name == vol.image) {
+            if let Ok(img) = Image::open_by_id_read_only(&io, &entry.id) {
+                check_owner(&img, metrics, provisioner, pv_name)?;
+            }
+            purge(&io, metrics, &vol.image, &entry.id)?;
+            outcome = Deleted::Purged;
+        }
+    }
+    Ok(outcome)
+}
+
+fn has_snapshots_or_children(io: &IoCtx, metrics: &Metrics, name: &str) -> bool {
+    match timed(metrics, "open", || Image::open_read_only(io, name)) {
+        Ok(img) => {
+            img.snap_list().map(|s| !s.is_empty()).unwrap_or(false)
+                || img.children().map(|c| !c.is_empty()).unwrap_or(false)
+        }
+        Err(_) => false,
+    }
+}
+
+fn purge(io: &IoCtx, metrics: &Metrics, name: &str, id: &str) -> Result<(), VolumeError> {
+    match timed(metrics, "trash_remove", || rbd::trash_remove(io, id, true)) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+        Err(e) if matches!(e.kind(), ErrorKind::HasSnapshots | ErrorKind::Busy) => {
+            Err(VolumeError::PurgeBlocked {
+                image: name.to_owned(),
+                why: format!("{e}; it still has snapshots or clones"),
+            })
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Grows the image of `vol` to `size` bytes if it is ours. Returns the new
+/// size. A smaller `size` than the image has is refused.
+pub fn expand_image(
+    cluster: &Cluster,
+    metrics: &Metrics,
+    vol: &VolumeId,
+    provisioner: &str,
+    pv_name: &str,
+    size: u64,
+) -> Result<u64, VolumeError> {
+    let io = ioctx(cluster, metrics, vol)?;
+    let image = match timed(metrics, "open", || Image::open(&io, &vol.image)) {
+        Ok(img) => img,
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            return Err(VolumeError::Missing {
+                image: vol.image.clone(),
+            })
+        }
+        Err(e) => return Err(e.into()),
+    };
+    check_owner(&image, metrics, provisioner, pv_name)?;
+    let current = timed(metrics, "size", || image.size())?;
+    if size < current {
+        return Err(VolumeError::ShrinkRefused {
+            image: vol.image.clone(),
+            current,
+            requested: size,
+        });
+    }
+    if size > current {
+        timed(metrics, "resize", || image.resize(size))?;
+    }
+    timed(metrics, "close", || image.close())?;
+    Ok(size)
+}
+
+/// The owner record of an image, for tests and tools.
+pub fn owner_metadata(image: &Image) -> crate::Result<BTreeMap<String, String>> {
+    Ok(image
+        .metadata_list()?
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("rbdkit."))
+        .collect())
+}
