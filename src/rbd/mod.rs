@@ -8,6 +8,7 @@
 //!
 //! [`IoCtx`]: crate::rados::IoCtx
 
+pub mod aio;
 mod clone;
 mod config;
 mod diff;
@@ -21,10 +22,14 @@ mod migration;
 mod options;
 mod pool;
 mod snapshot;
+#[cfg(feature = "service")]
+mod tokio_io;
 mod trash;
 mod watchers;
 
 #[doc(hidden)]
+pub use aio::aio_live_requests;
+pub use aio::{AioClose, AioFuture, AioOpen, AioRead};
 pub use clone::{clone, LinkedImage, ParentInfo};
 pub use config::{config_pool_list, ConfigOption, ConfigSource};
 pub use features::Features;
@@ -45,6 +50,8 @@ pub use pool::{
     pool_metadata_get, pool_metadata_remove, pool_metadata_set, pool_stats, RbdPoolStats,
 };
 pub use snapshot::SnapInfo;
+#[cfg(feature = "service")]
+pub use tokio_io::ImageIo;
 pub use trash::{
     trash_get, trash_list, trash_move, trash_purge, trash_remove, trash_restore, TrashEntry,
     TrashSource,
