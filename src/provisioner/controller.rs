@@ -434,13 +434,25 @@ async fn provision(claim: &PersistentVolumeClaim, ctx: &Context) -> Result<Actio
         return Ok(Action::await_change());
     }
     let key = claim.metadata.uid.clone().unwrap_or_default();
+    // Done by an earlier attempt (the binder has not bound it yet)?
+    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
+    if let Some(pv) = pvs.get_opt(&pv_name).await? {
+        if let Err(f) = check_pv_is_for(&pv, ctx, &key) {
+            ctx.events
+                .warning(&claim_ref(claim), "ProvisioningFailed", &f.why)
+                .await;
+            return Err(ReconcileError(f.why));
+        }
+        drop_claim_finalizer(ctx, claim).await?;
+        return Ok(Action::await_change());
+    }
     let started = ctx.first_attempt(&key);
     match provision_steps(claim, ctx, &class, &pv_name).await {
         Ok(()) => {
             if let Some(t) = ctx.finished(&key) {
                 ctx.metrics.provisioned(&class_name, t.elapsed());
+                tracing::info!(claim = %claim_key(claim), pv = %pv_name, took = ?started.elapsed(), "provisioned");
             }
-            tracing::info!(claim = %claim_key(claim), pv = %pv_name, took = ?started.elapsed(), "provisioned");
             Ok(Action::await_change())
         }
         Err(f) => {
@@ -461,12 +473,6 @@ async fn provision_steps(
 ) -> Result<(), Failure> {
     let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
     let claim_uid = claim.metadata.uid.clone().unwrap_or_default();
-    // Done by an earlier attempt?
-    if let Some(pv) = pvs.get_opt(pv_name).await? {
-        check_pv_is_for(&pv, ctx, &claim_uid)?;
-        drop_claim_finalizer(ctx, claim).await?;
-        return Ok(());
-    }
 
     let params = ClassParams::parse(&class.parameters.clone().unwrap_or_default())?;
     check_access(&claim_access_modes(claim), &claim_volume_mode(claim))?;
@@ -766,27 +772,51 @@ async fn expand_steps(
     let new_q = bytes_quantity(new_size);
     let kube_err = |e: kube::Error| format!("Kubernetes API: {e}");
 
-    let mut conditions = other_conditions(claim);
-    conditions.push(json!({"type": "Resizing", "status": "True", "lastTransitionTime": now()}));
-    claims
-        .patch_status(
-            &claim.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(json!({"status": {
-                "conditions": conditions,
-                "allocatedResources": {"storage": new_q},
-                "allocatedResourceStatuses": {"storage": "ControllerResizeInProgress"},
-            }})),
-        )
-        .await
-        .map_err(kube_err)?;
-    ctx.events
-        .normal(
-            &claim_ref(claim),
-            "Resizing",
-            &format!("External resizer is resizing volume {pv_name}"),
-        )
-        .await;
+    // Only write what changes: a status write wakes this claim's reconcile
+    // again, and a retry must wait for its backoff, not loop on its own
+    // writes.
+    let status = claim.status.clone().unwrap_or_default();
+    let allocated = status
+        .allocated_resources
+        .as_ref()
+        .and_then(|r| r.get("storage"))
+        .and_then(|q| parse_bytes(&q.0).ok());
+    let state = status
+        .allocated_resource_statuses
+        .as_ref()
+        .and_then(|s| s.get("storage"))
+        .cloned()
+        .unwrap_or_default();
+    let resizing = status
+        .conditions
+        .as_ref()
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Resizing"));
+    let already = resizing
+        && allocated == Some(new_size)
+        && (state == "ControllerResizeInProgress" || state == "ControllerResizeInfeasible");
+    if !already {
+        let mut conditions = other_conditions(claim);
+        conditions.push(json!({"type": "Resizing", "status": "True", "lastTransitionTime": now()}));
+        claims
+            .patch_status(
+                &claim.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(json!({"status": {
+                    "conditions": conditions,
+                    "allocatedResources": {"storage": new_q},
+                    "allocatedResourceStatuses": {"storage": "ControllerResizeInProgress"},
+                }})),
+            )
+            .await
+            .map_err(kube_err)?;
+        ctx.events
+            .normal(
+                &claim_ref(claim),
+                "Resizing",
+                &format!("External resizer is resizing volume {pv_name}"),
+            )
+            .await;
+    }
 
     let secret = expand_secret(pv)
         .or_else(|| deletion_secret(pv))
@@ -802,7 +832,7 @@ async fn expand_steps(
         .await;
     drop(conn);
     if let Err(e) = resized {
-        if matches!(e, VolumeError::ShrinkRefused { .. }) {
+        if matches!(e, VolumeError::ShrinkRefused { .. }) && state != "ControllerResizeInfeasible" {
             let _ = claims
                 .patch_status(
                     &claim.name_any(),
@@ -925,7 +955,7 @@ async fn pv_inner(
     let deleting = pv.metadata.deletion_timestamp.is_some();
     let has_finalizer = pv.finalizers().iter().any(|f| f == PV_FINALIZER);
     let released = phase == "Released" || (deleting && phase != "Bound");
-    if !released {
+    if !released || (deleting && !has_finalizer) {
         return Ok(Action::await_change());
     }
     let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());

@@ -5,3 +5,5 @@
 pub mod ceph;
 #[cfg(feature = "service")]
 pub mod k8s;
+#[cfg(feature = "service")]
+pub mod provisioner;

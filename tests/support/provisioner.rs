@@ -1,0 +1,598 @@
+//! Fixtures for the provisioner's end-to-end tests: a Kubernetes namespace,
+//! an RBD namespace, a clusters config and a Secret of their own per test,
+//! and a provisioner run in process or as a child process.
+//!
+//! Every test gets its own provisioner name, so provisioners of tests running
+//! side by side never touch each other's claims, and its own clusterID mapped
+//! to its own RADOS namespace, so image listings are per test.
+
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::future::Future;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use k8s_openapi::api::core::v1::{
+    Namespace, PersistentVolume, PersistentVolumeClaim, Secret as K8sSecret,
+};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::Api;
+use serde::de::DeserializeOwned;
+use serde_json::json;
+
+use rbdkit::provisioner::ProvisionerArgs;
+use rbdkit::rbd;
+
+use super::ceph::{TestCluster, TestNs, POOL};
+use super::k8s::ControlPlane;
+
+/// How long any single wait may take before the test fails.
+pub const WAIT: Duration = Duration::from_secs(90);
+
+/// A value from JSON, for building API objects tersely.
+pub fn from_json<T: DeserializeOwned>(value: serde_json::Value) -> T {
+    serde_json::from_value(value).expect("test object does not deserialize")
+}
+
+/// Polls `f` every 200 ms until it returns `Ok`, for at most `timeout`;
+/// then panics with `what` and the last state `f` described.
+pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, String>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        let last = match f().await {
+            Ok(v) => return v,
+            Err(state) => state,
+        };
+        if Instant::now() >= deadline {
+            panic!("timed out after {timeout:?} waiting for {what}; last state: {last}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Checks that `f` keeps returning `Ok` for `period` (polling every 200 ms).
+pub async fn stays<F, Fut>(what: &str, period: Duration, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), String>>,
+{
+    let deadline = Instant::now() + period;
+    while Instant::now() < deadline {
+        if let Err(state) = f().await {
+            panic!("expected {what} for {period:?}, but: {state}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[derive(Parser)]
+struct ArgsOnly {
+    #[command(flatten)]
+    args: ProvisionerArgs,
+}
+
+/// One test's world.
+pub struct Env {
+    /// The admin client.
+    pub client: kube::Client,
+    /// The kubeconfig path.
+    pub kubeconfig: PathBuf,
+    /// The Kubernetes namespace (claims, Secret, Lease).
+    pub ns: String,
+    /// The provisioner name.
+    pub name: String,
+    /// The clusterID in the clusters config.
+    pub cluster_id: String,
+    /// The RBD namespace the clusterID maps to.
+    pub rbd: TestNs,
+    /// The Secret with the cephx credentials.
+    pub secret: String,
+    dir: tempfile::TempDir,
+    classes: Vec<String>,
+}
+
+impl Env {
+    /// Sets up a test world named after `test` (a short lowercase word).
+    pub async fn new(test: &str) -> Env {
+        let cp = ControlPlane::shared();
+        let client = cp.client().await;
+        let ceph = TestCluster::get();
+        let id = super::ceph::unique(test);
+        let rbd = TestNs::new(test);
+        let dir = tempfile::tempdir().expect("tempdir");
+
+        let mons = ceph.conf_value("mon host").expect("mon host in ceph.conf");
+        let config = json!([{
+            "clusterID": id,
+            "monitors": [mons],
+            "rbd": {"radosNamespace": rbd.name},
+        }]);
+        std::fs::write(dir.path().join("config.json"), config.to_string()).expect("write config");
+
+        let namespaces: Api<Namespace> = Api::all(client.clone());
+        namespaces
+            .create(
+                &PostParams::default(),
+                &from_json(json!({"metadata": {"name": id}})),
+            )
+            .await
+            .expect("create namespace");
+        let secrets: Api<K8sSecret> = Api::namespaced(client.clone(), &id);
+        secrets
+            .create(
+                &PostParams::default(),
+                &from_json(json!({
+                    "metadata": {"name": "ceph-admin"},
+                    "stringData": {"userID": "admin", "userKey": ceph.admin_key()},
+                })),
+            )
+            .await
+            .expect("create secret");
+        Env {
+            client,
+            kubeconfig: cp.kubeconfig_path().to_owned(),
+            name: format!("{id}.rbdkit.test"),
+            cluster_id: id.clone(),
+            ns: id,
+            rbd,
+            secret: "ceph-admin".into(),
+            dir,
+            classes: Vec::new(),
+        }
+    }
+
+    /// Path of the clusters config.
+    pub fn config_path(&self) -> PathBuf {
+        self.dir.path().join("config.json")
+    }
+
+    /// Command-line arguments for a provisioner of this test, with short
+    /// timings.
+    pub fn cli_args(&self, identity: &str) -> Vec<String> {
+        [
+            "--name",
+            &self.name,
+            "--clusters-config",
+            self.config_path().to_str().unwrap(),
+            "--kubeconfig",
+            self.kubeconfig.to_str().unwrap(),
+            "--http-addr",
+            "127.0.0.1:0",
+            "--leader-election-namespace",
+            &self.ns,
+            "--leader-election-identity",
+            identity,
+            "--lease-duration",
+            "4s",
+            "--renew-deadline",
+            "3s",
+            "--retry-period",
+            "1s",
+            "--backoff-base",
+            "500ms",
+            "--backoff-max",
+            "4s",
+            "--config-poll",
+            "1s",
+            "--shutdown-grace",
+            "5s",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    }
+
+    /// Runs a provisioner in this process; it stops when the handle drops.
+    pub fn start_in_process(&self) -> InProcess {
+        let argv =
+            std::iter::once("test".to_owned()).chain(self.cli_args(&format!("{}-inproc", self.ns)));
+        let args = ArgsOnly::try_parse_from(argv)
+            .expect("provisioner args")
+            .args;
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(rbdkit::provisioner::run_until(args, async move {
+            let _ = rx.await;
+        }));
+        InProcess {
+            stop: Some(tx),
+            task: Some(task),
+        }
+    }
+
+    /// Runs `rbdkit provisioner` as a child process known as `identity`,
+    /// logging to a file in the test's directory.
+    pub fn start_process(&self, identity: &str) -> ChildProvisioner {
+        let log = self.dir.path().join(format!("{identity}.log"));
+        let file = std::fs::File::create(&log).expect("log file");
+        let child = Command::new(env!("CARGO_BIN_EXE_rbdkit"))
+            .arg("provisioner")
+            .args(self.cli_args(identity))
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(file.try_clone().expect("log file"))
+            .stderr(file)
+            .spawn()
+            .expect("start rbdkit provisioner");
+        ChildProvisioner {
+            child: Some(child),
+            log,
+            identity: identity.to_owned(),
+        }
+    }
+
+    /// Creates a StorageClass of this test's provisioner. `params` are added
+    /// to (or, with a `null` value, removed from) the usual ones; `extra`
+    /// holds top-level fields such as `reclaimPolicy`.
+    pub async fn storage_class(
+        &mut self,
+        suffix: &str,
+        params: serde_json::Value,
+        extra: serde_json::Value,
+    ) -> String {
+        let name = format!("{}-{suffix}", self.ns);
+        let mut p = serde_json::Map::new();
+        for (k, v) in [
+            ("clusterID", self.cluster_id.as_str()),
+            ("pool", POOL),
+            ("imageFeatures", "layering,exclusive-lock"),
+            ("csi.storage.k8s.io/provisioner-secret-name", &self.secret),
+            (
+                "csi.storage.k8s.io/provisioner-secret-namespace",
+                "${pvc.namespace}",
+            ),
+            (
+                "csi.storage.k8s.io/controller-expand-secret-name",
+                &self.secret,
+            ),
+            (
+                "csi.storage.k8s.io/controller-expand-secret-namespace",
+                &self.ns,
+            ),
+            ("csi.storage.k8s.io/node-stage-secret-name", &self.secret),
+            ("csi.storage.k8s.io/node-stage-secret-namespace", &self.ns),
+        ] {
+            p.insert(k.into(), json!(v));
+        }
+        if let serde_json::Value::Object(over) = params {
+            for (k, v) in over {
+                if v.is_null() {
+                    p.remove(&k);
+                } else {
+                    p.insert(k, v);
+                }
+            }
+        }
+        let mut sc = json!({
+            "metadata": {"name": name},
+            "provisioner": self.name,
+            "parameters": p,
+        });
+        if let serde_json::Value::Object(extra) = extra {
+            for (k, v) in extra {
+                sc[k] = v;
+            }
+        }
+        let classes: Api<StorageClass> = Api::all(self.client.clone());
+        classes
+            .create(&PostParams::default(), &from_json(sc))
+            .await
+            .expect("create storage class");
+        self.classes.push(name.clone());
+        name
+    }
+
+    /// The claims API of the test namespace.
+    pub fn claims(&self) -> Api<PersistentVolumeClaim> {
+        Api::namespaced(self.client.clone(), &self.ns)
+    }
+
+    /// The PV API.
+    pub fn pvs(&self) -> Api<PersistentVolume> {
+        Api::all(self.client.clone())
+    }
+
+    /// Creates a claim.
+    pub async fn claim(
+        &self,
+        name: &str,
+        class: &str,
+        size: &str,
+        modes: &[&str],
+        volume_mode: &str,
+    ) -> PersistentVolumeClaim {
+        self.claims()
+            .create(
+                &PostParams::default(),
+                &from_json(json!({
+                    "metadata": {"name": name},
+                    "spec": {
+                        "storageClassName": class,
+                        "accessModes": modes,
+                        "volumeMode": volume_mode,
+                        "resources": {"requests": {"storage": size}},
+                    },
+                })),
+            )
+            .await
+            .expect("create claim")
+    }
+
+    /// Waits until the claim is Bound and returns it with its PV.
+    pub async fn wait_bound(&self, claim: &str) -> (PersistentVolumeClaim, PersistentVolume) {
+        let claims = self.claims();
+        let c = eventually(&format!("claim {claim} Bound"), WAIT, || async {
+            let c = claims.get(claim).await.map_err(|e| e.to_string())?;
+            let phase = c.status.as_ref().and_then(|s| s.phase.clone());
+            if phase.as_deref() == Some("Bound") {
+                Ok(c)
+            } else {
+                Err(format!(
+                    "phase {phase:?}; annotations {:?}; events {:?}",
+                    c.metadata.annotations,
+                    self.event_summary(claim).await
+                ))
+            }
+        })
+        .await;
+        let pv_name = c.spec.as_ref().unwrap().volume_name.clone().unwrap();
+        let pv = self.pvs().get(&pv_name).await.expect("get PV");
+        (c, pv)
+    }
+
+    /// Waits until an object is gone.
+    pub async fn wait_gone<K>(&self, api: &Api<K>, name: &str)
+    where
+        K: Clone + DeserializeOwned + Debug,
+    {
+        eventually(&format!("{name} gone"), WAIT, || async {
+            match api.get_opt(name).await {
+                Ok(None) => Ok(()),
+                Ok(Some(o)) => Err(format!("still there: {o:?}")),
+                Err(e) => Err(e.to_string()),
+            }
+        })
+        .await
+    }
+
+    /// Events about `object` (a claim in the test namespace, or a PV, whose
+    /// events go to `default`).
+    pub async fn events(&self, object: &str) -> Vec<Event> {
+        let mut out = Vec::new();
+        for ns in [self.ns.as_str(), "default"] {
+            let api: Api<Event> = Api::namespaced(self.client.clone(), ns);
+            if let Ok(list) = api.list(&ListParams::default()).await {
+                out.extend(list.items.into_iter().filter(|e| {
+                    e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(object)
+                }));
+            }
+        }
+        out
+    }
+
+    /// `reason: note` of the events about `object`.
+    pub async fn event_summary(&self, object: &str) -> Vec<String> {
+        self.events(object)
+            .await
+            .iter()
+            .map(|e| {
+                format!(
+                    "{}: {}",
+                    e.reason.clone().unwrap_or_default(),
+                    e.note.clone().unwrap_or_default()
+                )
+            })
+            .collect()
+    }
+
+    /// Waits for an event with `reason` about `object` whose note contains
+    /// every one of `words`, and returns it.
+    pub async fn wait_event(&self, object: &str, reason: &str, words: &[&str]) -> Event {
+        let what = format!("event {reason} on {object} with {words:?}");
+        eventually(&what, WAIT, || async {
+            let events = self.events(object).await;
+            let found = events.iter().find(|e| {
+                e.reason.as_deref() == Some(reason)
+                    && words
+                        .iter()
+                        .all(|w| e.note.as_deref().unwrap_or("").contains(w))
+            });
+            match found {
+                Some(e) => Ok(e.clone()),
+                None => Err(format!("events: {:?}", self.event_summary(object).await)),
+            }
+        })
+        .await
+    }
+
+    /// Image names in the test's RADOS namespace.
+    pub fn images(&self) -> Vec<String> {
+        rbd::list_names(&self.rbd.ioctx).expect("list images")
+    }
+
+    /// Deletes a claim.
+    pub async fn delete_claim(&self, name: &str) {
+        self.claims()
+            .delete(name, &DeleteParams::default())
+            .await
+            .expect("delete claim");
+    }
+
+    /// Patches a claim's storage request.
+    pub async fn resize_claim(&self, name: &str, size: &str) {
+        self.claims()
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"spec": {"resources": {"requests": {"storage": size}}}})),
+            )
+            .await
+            .expect("resize claim");
+    }
+
+    /// Sets annotations on a claim.
+    pub async fn annotate_claim(&self, name: &str, annotations: BTreeMap<&str, &str>) {
+        self.claims()
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"annotations": annotations}})),
+            )
+            .await
+            .expect("annotate claim");
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        // Best effort, without blocking on the runtime: the namespace (and
+        // with it claims, Secret, Lease) and the classes. PVs left behind are
+        // removed with their finalizers stripped.
+        let client = self.client.clone();
+        let ns = self.ns.clone();
+        let classes = std::mem::take(&mut self.classes);
+        let name = self.name.clone();
+        let cleanup = async move {
+            let pvs: Api<PersistentVolume> = Api::all(client.clone());
+            if let Ok(list) = pvs.list(&ListParams::default()).await {
+                for pv in list.items {
+                    let ours = pv
+                        .spec
+                        .as_ref()
+                        .and_then(|s| s.csi.as_ref())
+                        .is_some_and(|c| c.driver == name);
+                    if ours {
+                        let n = pv.metadata.name.clone().unwrap_or_default();
+                        let _ = pvs
+                            .patch(
+                                &n,
+                                &PatchParams::default(),
+                                &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+                            )
+                            .await;
+                        let _ = pvs.delete(&n, &DeleteParams::default()).await;
+                    }
+                }
+            }
+            let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &ns);
+            if let Ok(list) = claims.list(&ListParams::default()).await {
+                for c in list.items {
+                    let n = c.metadata.name.clone().unwrap_or_default();
+                    let _ = claims
+                        .patch(
+                            &n,
+                            &PatchParams::default(),
+                            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+                        )
+                        .await;
+                }
+            }
+            let namespaces: Api<Namespace> = Api::all(client.clone());
+            let _ = namespaces.delete(&ns, &DeleteParams::default()).await;
+            let sc: Api<StorageClass> = Api::all(client);
+            for c in classes {
+                let _ = sc.delete(&c, &DeleteParams::default()).await;
+            }
+        };
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            // Run to completion on a separate thread so Drop can wait.
+            let _ = std::thread::scope(|s| {
+                s.spawn(|| {
+                    handle.block_on(async {
+                        tokio::time::timeout(Duration::from_secs(20), cleanup).await
+                    })
+                })
+                .join()
+            });
+        }
+    }
+}
+
+/// A provisioner running as a task of the test process.
+pub struct InProcess {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl InProcess {
+    /// Asks it to stop and waits until it has.
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(task) = self.task.take() {
+            match tokio::time::timeout(Duration::from_secs(30), task).await {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(e))) => panic!("provisioner failed: {e:#}"),
+                Ok(Err(e)) => panic!("provisioner task failed: {e}"),
+                Err(_) => panic!("provisioner did not stop within 30 s"),
+            }
+        }
+    }
+}
+
+impl Drop for InProcess {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+/// A provisioner running as a child process.
+pub struct ChildProvisioner {
+    child: Option<Child>,
+    /// Its log file.
+    pub log: PathBuf,
+    /// Its identity in the Lease.
+    pub identity: String,
+}
+
+impl ChildProvisioner {
+    /// Kills it with SIGKILL, as a crash or OOM kill would, and reaps it.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Whether it is still running.
+    pub fn running(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(c) => matches!(c.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    /// The end of its log.
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+}
+
+impl Drop for ChildProvisioner {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "--- log of provisioner {} ({}) ---\n{}",
+                self.identity,
+                self.log.display(),
+                self.log_tail()
+            );
+        }
+        self.kill9();
+    }
+}
