@@ -17,7 +17,7 @@ use rbdkit::k8s::quantity::MIB;
 use rbdkit::provisioner::pv::{VolumeId, PROVISIONED_BY, PV_FINALIZER};
 use rbdkit::rbd::{self, Features, Image};
 
-use support::provisioner::{eventually, stays, Env, WAIT};
+use support::provisioner::{eventually, http_get, stays, Env, WAIT};
 
 fn quantity(
     q: &Option<BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>,
@@ -122,7 +122,10 @@ async fn provisions_a_claim_and_deletes_it_with_its_image() {
     env.wait_event("data", "ProvisioningSucceeded", &[&pv_name])
         .await;
 
-    // Delete: PV and image go.
+    // Delete: PV and image go, even with the StorageClass gone (all that
+    // is needed is on the PV and in its Secret).
+    let classes: Api<k8s_openapi::api::storage::v1::StorageClass> = Api::all(env.client.clone());
+    classes.delete(&class, &Default::default()).await.unwrap();
     let t1 = Instant::now();
     env.delete_claim("data").await;
     env.wait_gone(&env.pvs(), &pv_name).await;
@@ -492,8 +495,90 @@ async fn with_two_processes_only_the_leader_acts() {
         standby.log_tail()
     );
 
+    // Health: both live, only the leader ready; metrics on the leader.
+    let leader_http = leader.http_addr().await;
+    let standby_http = standby.http_addr().await;
+    assert_eq!(http_get(leader_http, "/healthz").await.0, 200);
+    assert_eq!(http_get(standby_http, "/healthz").await.0, 200);
+    eventually("leader ready", WAIT, || async {
+        match http_get(leader_http, "/readyz").await {
+            (200, _) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    let (code, body) = http_get(standby_http, "/readyz").await;
+    assert_eq!((code, body.as_str()), (503, "not the leader"));
+    let (code, metrics) = http_get(leader_http, "/metrics").await;
+    assert_eq!(code, 200);
+    for name in [
+        "controller_persistentvolumeclaim_provision_total{class=",
+        "controller_persistentvolumeclaim_provision_duration_seconds_bucket{",
+        "rbdkit_ceph_op_duration_seconds_count{operation=\"create\"}",
+        "rbdkit_leader 1",
+    ] {
+        assert!(metrics.contains(name), "no {name} in\n{metrics}");
+    }
+    let key = support::ceph::TestCluster::get().admin_key();
+    assert!(!metrics.contains(&key));
+
+    // Someone else takes the lease: the leader stops at once, and nothing
+    // is provisioned while the intruder holds it.
+    let leases: Api<Lease> = Api::namespaced(env.client.clone(), &env.ns);
+    let mut lease = leases.get(&env.name).await.unwrap();
+    let spec = lease.spec.as_mut().unwrap();
+    spec.holder_identity = Some("intruder".into());
+    spec.lease_duration_seconds = Some(6);
+    spec.renew_time = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+        k8s_openapi::jiff::Timestamp::now(),
+    ));
+    leases
+        .replace(&env.name, &Default::default(), &lease)
+        .await
+        .unwrap();
+    eventually("the leader to stop", WAIT, || async {
+        match http_get(leader_http, "/readyz").await {
+            (503, _) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    assert!(
+        leader.log_text().contains("lost the lease"),
+        "{}",
+        leader.log_tail()
+    );
+    env.claim("paused", &class, "8Mi", &["ReadWriteOnce"], "Filesystem")
+        .await;
+    let claims = env.claims();
+    stays(
+        "no provisioning while the intruder leads",
+        Duration::from_secs(3),
+        || async {
+            let c = claims.get("paused").await.map_err(|e| e.to_string())?;
+            match c.status.and_then(|s| s.phase).as_deref() {
+                Some("Pending") if env.images().len() == 1 => Ok(()),
+                other => Err(format!("phase {other:?}, images {:?}", env.images())),
+            }
+        },
+    )
+    .await;
+    // The intruder never renews: a replica takes over and provisions.
+    env.wait_bound("paused").await;
+    let holder = lease_holder(&env).await.unwrap();
+    assert!(
+        holder == leader.identity || holder == standby.identity,
+        "{holder}"
+    );
+    let (leader, standby) = if holder == leader.identity {
+        (leader, standby)
+    } else {
+        (standby, leader)
+    };
+
     // The leader dies; the standby takes over and provisions.
     leader.kill9();
+
     let standby_id = standby.identity.clone();
     eventually("the standby to take the lease", WAIT, || async {
         match lease_holder(&env).await {
@@ -515,7 +600,15 @@ async fn with_two_processes_only_the_leader_acts() {
         acted.iter().all(|i| *i == standby_id),
         "events from {acted:?}"
     );
-    assert_eq!(env.images().len(), 2, "images: {:?}", env.images());
+    assert_eq!(env.images().len(), 3, "images: {:?}", env.images());
+    // The key never reached a log.
+    for p in [&*leader, &*standby] {
+        assert!(
+            !p.log_text().contains(&key),
+            "key in the log of {}",
+            p.identity
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -634,4 +727,38 @@ async fn killed_mid_provision_and_restarted_leaves_one_image_and_one_pv() {
         },
     )
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_send_the_image_through_the_trash() {
+    let mut env = Env::new("trash").await;
+    let class = env.storage_class("snap", json!({}), json!({})).await;
+    let provisioner = env.start_in_process();
+    env.claim("data", &class, "8Mi", &["ReadWriteOnce"], "Filesystem")
+        .await;
+    let (_, pv) = env.wait_bound("data").await;
+    let pv_name = pv.metadata.name.unwrap();
+    {
+        let image = Image::open(&env.rbd.ioctx, &pv_name).unwrap();
+        image.snap_create("backup").unwrap();
+        image.close().unwrap();
+    }
+    env.delete_claim("data").await;
+    // Remove fails on the snapshot: the image goes to the trash, and the
+    // purge waits (never forced) while the snapshot exists.
+    env.wait_event(&pv_name, "VolumeFailedDelete", &["trash", "snapshots"])
+        .await;
+    assert!(env.images().is_empty(), "images: {:?}", env.images());
+    let trash = rbd::trash_list(&env.rbd.ioctx).unwrap();
+    assert_eq!(trash.len(), 1, "{trash:?}");
+    assert_eq!(trash[0].name, pv_name);
+    assert!(env.pvs().get_opt(&pv_name).await.unwrap().is_some());
+
+    // Once the snapshot is gone the purge completes, then the PV goes.
+    let trashed = Image::open_by_id(&env.rbd.ioctx, &trash[0].id).unwrap();
+    trashed.snap_remove("backup").unwrap();
+    trashed.close().unwrap();
+    env.wait_gone(&env.pvs(), &pv_name).await;
+    assert!(rbd::trash_list(&env.rbd.ioctx).unwrap().is_empty());
+    provisioner.stop().await;
 }

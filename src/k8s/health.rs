@@ -104,10 +104,10 @@ impl Health {
 }
 
 async fn readyz(State(h): State<Health>) -> impl IntoResponse {
-    match (h.is_synced(), h.is_leader()) {
+    match (h.is_leader(), h.is_synced()) {
         (true, true) => (StatusCode::OK, "ok"),
-        (false, _) => (StatusCode::SERVICE_UNAVAILABLE, "caches not synced"),
-        (true, false) => (StatusCode::SERVICE_UNAVAILABLE, "not the leader"),
+        (false, _) => (StatusCode::SERVICE_UNAVAILABLE, "not the leader"),
+        (true, false) => (StatusCode::SERVICE_UNAVAILABLE, "caches not synced"),
     }
 }
 

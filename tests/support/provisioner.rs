@@ -215,6 +215,7 @@ impl Env {
         let child = Command::new(env!("CARGO_BIN_EXE_rbdkit"))
             .arg("provisioner")
             .args(self.cli_args(identity))
+            .args(["--log-format", "json"])
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(file.try_clone().expect("log file"))
@@ -575,6 +576,23 @@ impl ChildProvisioner {
         }
     }
 
+    /// The whole log.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The address of its HTTP server, from its (JSON) log.
+    pub async fn http_addr(&self) -> std::net::SocketAddr {
+        eventually(&format!("{} to listen", self.identity), WAIT, || async {
+            self.log_text()
+                .lines()
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .find_map(|v| v.get("http")?.as_str()?.parse().ok())
+                .ok_or_else(|| format!("log so far:\n{}", self.log_tail()))
+        })
+        .await
+    }
+
     /// The end of its log.
     pub fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
@@ -595,4 +613,33 @@ impl Drop for ChildProvisioner {
         }
         self.kill9();
     }
+}
+
+/// A plain HTTP/1.1 GET: the status code and the body.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream
+        .write_all(request.as_bytes())
+        .await
+        .expect("send request");
+    let mut response = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut response))
+        .await
+        .expect("response in time")
+        .expect("read response");
+    let text = String::from_utf8_lossy(&response).into_owned();
+    let code = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP response: {text:?}"));
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (code, body)
 }
