@@ -42,20 +42,20 @@ FULL = {
     "conc_rounds": 3,
     "conc_levels": [1, 8, 32, 64],
     "conc_images": 128,
-    "data_rounds": 3,
+    "data_rounds": 4,
     "data_image_bytes": 1 * GiB,
     # (workload, block size, queue depth, ops)
     "data_workloads": [
         ("randwrite", 4 * KiB, 1, 1500),
-        ("randwrite", 4 * KiB, 16, 8000),
-        ("randwrite", 4 * KiB, 64, 8000),
-        ("randread", 4 * KiB, 1, 3000),
-        ("randread", 4 * KiB, 16, 16000),
-        ("randread", 4 * KiB, 64, 16000),
-        ("seqwrite", 64 * KiB, 16, 4096),
-        ("seqread", 64 * KiB, 16, 4096),
-        ("seqwrite", 4 * MiB, 16, 256),
-        ("seqread", 4 * MiB, 16, 256),
+        ("randwrite", 4 * KiB, 16, 6000),
+        ("randwrite", 4 * KiB, 64, 6000),
+        ("randread", 4 * KiB, 1, 2000),
+        ("randread", 4 * KiB, 16, 12000),
+        ("randread", 4 * KiB, 64, 12000),
+        ("seqwrite", 64 * KiB, 16, 3072),
+        ("seqread", 64 * KiB, 16, 3072),
+        ("seqwrite", 4 * MiB, 16, 192),
+        ("seqread", 4 * MiB, 16, 192),
     ],
     "memstore": "6G",
 }
@@ -95,10 +95,20 @@ def med(xs):
 
 
 def rotate(items, r):
-    """Round r's running order: interleaved, and rotated so that no
-    contender always runs first (or right after another) in every round."""
+    """Round r's running order: rotated by r so that no contender always
+    runs first, and reversed in odd rounds so that no contender always runs
+    right after the same other one (whose after-effects on the cluster it
+    would otherwise always inherit)."""
     k = r % len(items)
-    return items[k:] + items[:k]
+    order = items[k:] + items[:k]
+    return order[::-1] if r % 2 else order
+
+
+SETTLE_S = 0.3  # pause between contender processes, so one's tail is not the next one's start
+
+
+def settle():
+    time.sleep(SETTLE_S)
 
 
 class RunError(Exception):
@@ -106,10 +116,10 @@ class RunError(Exception):
 
 
 def run_proc(cmd, env=None, timeout=RUN_TIMEOUT):
-    """Run one process; return (stdout, wall seconds, peak RSS KiB).
+    """Run one process; return (stdout, wall seconds, peak RSS KiB, CPU seconds).
 
-    Peak RSS is ru_maxrss from wait4() on that very process, so each
-    contender's figure is its own."""
+    Peak RSS and CPU time (user + system) come from wait4() on that very
+    process, so each contender's figures are its own."""
     with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:
         t = time.perf_counter()
         p = subprocess.Popen(cmd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL, env=env)
@@ -127,17 +137,18 @@ def run_proc(cmd, env=None, timeout=RUN_TIMEOUT):
     if p.returncode != 0:
         tail = (err.strip() or out.strip())[-600:]
         raise RunError(f"{' '.join(map(str, cmd[:3]))}... exited {p.returncode}: {tail}")
-    return out, wall, ru.ru_maxrss
+    return out, wall, ru.ru_maxrss, ru.ru_utime + ru.ru_stime
 
 
 def run_json(cmd, env=None):
-    out, wall, rss = run_proc(cmd, env)
+    out, wall, rss, cpu = run_proc(cmd, env)
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if not lines:
         raise RunError(f"{cmd[0]}: no JSON on stdout: {out[-300:]}")
     res = json.loads(lines[-1])
     res["peak_rss_kib"] = rss
     res["wall_s"] = wall
+    res["cpu_s"] = cpu
     return res
 
 
@@ -150,24 +161,12 @@ def sh(cmd, **kw):
 # --------------------------------------------------------------------------
 
 
-def aio_landed():
-    """rbdkit's AIO module is committed (src/rbd/aio.rs has history)."""
-    try:
-        out = sh(["git", "-C", str(REPO), "log", "--oneline", "-1", "--", "src/rbd/aio.rs"])
-    except (subprocess.CalledProcessError, FileNotFoundError):
-        return False
-    return bool(out.strip()) and (REPO / "src/rbd/aio.rs").exists()
-
-
 def build_rbdkit():
     target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
-    cmd = ["cargo", "build", "--release", "-p", "rbdkit-bench"]
-    aio = aio_landed()
-    if aio:
-        cmd += ["--features", "aio"]
-    log(f"building rbdkit-bench ({'with' if aio else 'without'} AIO)")
-    subprocess.run(cmd, cwd=REPO, check=True, stdout=sys.stderr)
-    return target / "release" / "rbdkit-bench", aio
+    log("building rbdkit-bench (cargo build --release)")
+    subprocess.run(["cargo", "build", "--release", "-p", "rbdkit-bench"], cwd=REPO, check=True,
+                   stdout=sys.stderr)
+    return target / "release" / "rbdkit-bench"
 
 
 def build_goceph():
@@ -231,6 +230,18 @@ class Cluster:
         self._down()
         return False
 
+    def cpu_seconds(self):
+        """CPU time (user + system) used so far by this cluster's daemons."""
+        total = 0
+        for f in Path(self.dir, "run").glob("*.pid"):
+            try:
+                stat = Path(f"/proc/{int(f.read_text())}/stat").read_text()
+                fields = stat.rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])  # utime, stime
+            except (OSError, ValueError, IndexError):
+                pass
+        return total / os.sysconf("SC_CLK_TCK")
+
     def rbd(self, *args):
         return run_proc(["rbd", "-c", self.conf, *map(str, args)])
 
@@ -241,7 +252,7 @@ class Cluster:
 
 
 class Contenders:
-    def __init__(self, cluster, rbdkit_bin, rbdkit_aio, goceph_bin):
+    def __init__(self, cluster, rbdkit_bin, goceph_bin):
         self.cl = cluster
         self.env = dict(os.environ)
         self.env.pop("CEPH_ARGS", None)
@@ -252,7 +263,6 @@ class Contenders:
             "python": ["/usr/bin/python3", str(BENCH / "python" / "contender.py")],
         }
         self.base = base
-        self.rbdkit_aio = rbdkit_aio
 
     def lib(self, who, mode, **opts):
         cmd = list(self.cmds[who]) + [mode] + self.base
@@ -271,14 +281,16 @@ class Contenders:
         ]
         times, rss = {}, 0
         for op, args in steps:
-            _, wall, r = run_proc(["rbd", "-c", self.cl.conf, *args], self.env)
+            _, wall, r, cpu = run_proc(["rbd", "-c", self.cl.conf, *args], self.env)
             times[op] = wall * 1e3
             rss = max(rss, r)
+            self.cli_cpu += cpu
         return times, rss
 
     def cli_control(self, prefix, cycles, size):
         ops = {}
         rss = 0
+        self.cli_cpu = 0.0
         for i in range(cycles + 1):
             t, r = self.cli_cycle(f"{prefix}-{i}", size)
             rss = max(rss, r)
@@ -287,12 +299,15 @@ class Contenders:
             for op, ms in t.items():
                 ops.setdefault(op, []).append(ms)
             ops.setdefault("cycle", []).append(sum(t.values()))
-        return {"contender": "rbd-cli", "mode": "control", "ops_ms": ops, "peak_rss_kib": rss}
+        return {"contender": "rbd-cli", "mode": "control", "ops_ms": ops, "peak_rss_kib": rss,
+                "cpu_s": self.cli_cpu}
 
     def rbd_bench(self, image, workload, bs, qd, ops):
         io_type = "write" if workload.endswith("write") else "read"
-        pattern = "rand" if workload.startswith("rand") else "seq"
-        out, wall, rss = run_proc(["rbd", "-c", self.cl.conf, "bench", "--io-type", io_type,
+        # full-seq: op i at block i, like the other contenders (rbd bench's
+        # "seq" instead gives each of its io-threads a separate region).
+        pattern = "rand" if workload.startswith("rand") else "full-seq"
+        out, wall, rss, cpu = run_proc(["rbd", "-c", self.cl.conf, "bench", "--io-type", io_type,
                                    "--io-size", str(bs), "--io-threads", str(qd),
                                    "--io-total", str(bs * ops), "--io-pattern", pattern,
                                    f"{POOL}/{image}"], self.env)
@@ -302,7 +317,14 @@ class Contenders:
         iops = float(m.group(3))
         return {"contender": "rbd-bench", "workload": workload, "bs": bs, "qd": qd,
                 "ops": int(m.group(2)), "iops": iops, "mib_s": iops * bs / MiB,
-                "peak_rss_kib": rss}
+                "peak_rss_kib": rss, "cpu_s": cpu}
+
+    def measured(self, fn):
+        """Run fn() and add the cluster daemons' CPU seconds spent meanwhile."""
+        before = self.cl.cpu_seconds()
+        out = fn()
+        out["cluster_cpu_s"] = self.cl.cpu_seconds() - before
+        return out
 
 
 # --------------------------------------------------------------------------
@@ -318,12 +340,15 @@ def section_control(c, cfg, errors, tag):
         for w in rotate(who, r):
             prefix = f"ctl-{tag}-{w}-r{r}"
             log(f"control round {r + 1}/{cfg['control_rounds']}: {w}")
+            settle()
             try:
                 if w == "rbd-cli":
-                    res[w] = c.cli_control(prefix, cfg["control_cycles"], IMAGE_BYTES)
+                    res[w] = c.measured(lambda: c.cli_control(prefix, cfg["control_cycles"],
+                                                              IMAGE_BYTES))
                 else:
-                    res[w] = c.lib(w, "control", prefix=prefix, cycles=cfg["control_cycles"],
-                                   size=IMAGE_BYTES)
+                    res[w] = c.measured(lambda: c.lib(w, "control", prefix=prefix,
+                                                      cycles=cfg["control_cycles"],
+                                                      size=IMAGE_BYTES))
             except RunError as e:
                 errors.append(f"control/{w}: {e}")
                 res[w] = {"error": str(e)}
@@ -339,9 +364,11 @@ def section_concurrency(c, cfg, errors, tag):
         for n in cfg["conc_levels"]:
             for w in rotate(who, r):
                 log(f"concurrency round {r + 1}/{cfg['conc_rounds']}: {w} x{n}")
+                settle()
                 try:
-                    out = c.lib(w, "concurrency", prefix=f"conc-{tag}-{w}-r{r}-c{n}",
-                                threads=n, images=cfg["conc_images"], size=IMAGE_BYTES)
+                    out = c.measured(lambda: c.lib(
+                        w, "concurrency", prefix=f"conc-{tag}-{w}-r{r}-c{n}", threads=n,
+                        images=cfg["conc_images"], size=IMAGE_BYTES))
                     out["images_per_s"] = out["images"] / (out["create_s"] + out["remove_s"])
                     out["creates_per_s"] = out["images"] / out["create_s"]
                     out["removes_per_s"] = out["images"] / out["remove_s"]
@@ -380,17 +407,19 @@ def section_data(c, cfg, errors, tag, pending):
                     res[key] = {"pending": pending}
                     continue
                 log(f"data round {r + 1}/{cfg['data_rounds']}: {wl_key(wl)}: {w}")
+                settle()
                 try:
                     if w == "rbd-bench":
-                        out = c.rbd_bench(image, workload, bs, qd, ops)
+                        out = c.measured(lambda: c.rbd_bench(image, workload, bs, qd, ops))
                     else:
                         lib, engine = {"rbdkit-aio": ("rbdkit", "aio"),
                                        "rbdkit-sync": ("rbdkit", "sync"),
                                        "go-ceph": ("go-ceph", None),
                                        "python": ("python", None)}[w]
                         extra = {"engine": engine} if engine else {}
-                        out = c.lib(lib, "data", image=image, workload=workload, bs=bs,
-                                    qd=qd, ops=ops, **extra)
+                        out = c.measured(lambda: c.lib(lib, "data", image=image,
+                                                       workload=workload, bs=bs, qd=qd,
+                                                       ops=ops, **extra))
                 except RunError as e:
                     errors.append(f"data/{w}/{wl_key(wl)}: {e}")
                     out = {"error": str(e)}
@@ -432,6 +461,11 @@ def summarize(results):
                 "cycle_median_by_round": [med(rd["ops_ms"]["cycle"]) for rd in ok],
                 "connect_ms": med([rd["connect_ms"] for rd in ok if "connect_ms" in rd]),
                 "peak_rss_kib": med([rd["peak_rss_kib"] for rd in ok]),
+                # Whole process (start, connect, warm-up included) per cycle run.
+                "cpu_ms_per_cycle": med([rd["cpu_s"] * 1e3 / (len(rd["ops_ms"]["cycle"]) + 1)
+                                         for rd in ok]),
+                "cluster_cpu_ms_per_cycle": med([rd["cluster_cpu_s"] * 1e3 /
+                                                 (len(rd["ops_ms"]["cycle"]) + 1) for rd in ok]),
             }
         ratios = {}
         for other in ["python", "rbd-cli", "go-ceph"]:
@@ -462,6 +496,12 @@ def summarize(results):
                         "creates_per_s": med([o["creates_per_s"] for o in ok]),
                         "removes_per_s": med([o["removes_per_s"] for o in ok]),
                         "peak_rss_kib": med([o["peak_rss_kib"] for o in ok]),
+                        "cpu_ms_per_image": med([o["cpu_s"] * 1e3 / o["images"] for o in ok]),
+                        "cluster_cpu_ms_per_image": med([o["cluster_cpu_s"] * 1e3 / o["images"]
+                                                         for o in ok]),
+                        # Share of all cores busy in client + cluster during the run.
+                        "machine_busy": med([(o["cpu_s"] + o["cluster_cpu_s"]) /
+                                             o["wall_s"] / (os.cpu_count() or 1) for o in ok]),
                     }
 
         def ratio(ka, kb):
@@ -496,8 +536,14 @@ def summarize(results):
             for w in data["contenders"]:
                 ok = [rd[f"{w}|{wk}"] for rd in data["rounds"] if "iops" in rd.get(f"{w}|{wk}", {})]
                 if ok:
-                    per[f"{w}|{wk}"] = {"iops": spread([o["iops"] for o in ok]),
-                                        "mib_s": med([o["mib_s"] for o in ok])}
+                    per[f"{w}|{wk}"] = {
+                        "iops": spread([o["iops"] for o in ok]),
+                        "mib_s": med([o["mib_s"] for o in ok]),
+                        "cpu_us_per_op": med([o["cpu_s"] * 1e6 / o["ops"] for o in ok]),
+                        "cluster_cpu_us_per_op": med([o["cluster_cpu_s"] * 1e6 / o["ops"]
+                                                      for o in ok]),
+                        "peak_rss_kib": med([o["peak_rss_kib"] for o in ok]),
+                    }
                 if w == "rbd-bench":
                     continue
                 vals, vals_go = [], []
@@ -609,6 +655,9 @@ def machine_info():
     }
 
 
+DATA_NAMES = {"rbd-bench": "rbd bench", "rbdkit-aio": "rbdkit AIO",
+              "rbdkit-sync": "rbdkit blocking", "go-ceph": "go-ceph", "python": "Python aio"}
+
 VERDICT_MARK = {"met": "✅ met", "missed": "❌ missed", "pending": "⏳ pending",
                 "no data": "– no data"}
 
@@ -662,12 +711,13 @@ def render(results, summary, cfg, mode):
                  "single `rbd` process).")
         L.append("")
         L.append("| contender | cycle | create | open | stat | resize | close | remove | "
-                 "connect (once) | peak RSS MiB | rbdkit speed-up |")
-        L.append("|---|---|---|---|---|---|---|---|---|---|---|")
+                 "connect (once) | peak RSS MiB | client CPU ms/cycle | cluster CPU ms/cycle "
+                 "| rbdkit speed-up |")
+        L.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for w in ["rbdkit", "python", "go-ceph", "rbd-cli"]:
             p = ctl["per"].get(w)
             if not p:
-                L.append(f"| {w} | failed | | | | | | | | | |")
+                L.append(f"| {w} | failed | | | | | | | | | | | |")
                 continue
             o = p["ops_median_ms"]
             if w == "rbd-cli":
@@ -682,7 +732,13 @@ def render(results, summary, cfg, mode):
             conn = fmt_num(p["connect_ms"]) if p["connect_ms"] is not None else "per call"
             sp = "—" if w == "rbdkit" else fmt_ratio(ctl["speedup_vs"].get(w))
             L.append(f"| {w} | **{fmt_num(o['cycle'], 1)}** | " + " | ".join(row) +
-                     f" | {conn} | {mib(p['peak_rss_kib'])} | {sp} |")
+                     f" | {conn} | {mib(p['peak_rss_kib'])} | {fmt_num(p['cpu_ms_per_cycle'])} "
+                     f"| {fmt_num(p['cluster_cpu_ms_per_cycle'])} | {sp} |")
+        L.append("")
+        L.append("CPU columns: user + system time of the contender's process(es) (start-up, "
+                 "connect and warm-up included, divided over the cycles run) and of the "
+                 "cluster's daemons meanwhile; a profile in numbers of where each cycle's work "
+                 "is done.")
         L.append("")
 
     conc = summary.get("concurrency")
@@ -730,6 +786,26 @@ def render(results, summary, cfg, mode):
                     else ["–", "–"]
             L.append(f"| {n} | " + " | ".join(cells) + " |")
         L.append("")
+        L.append("Where the time goes (medians): CPU ms per image in the contender process and "
+                 "in the cluster's daemons, and how busy the whole machine was "
+                 f"({os.cpu_count()} cores = 100 %):")
+        L.append("")
+        L.append("| N | rbdkit client / cluster | go-ceph client / cluster | "
+                 "Python client / cluster | machine busy (rbdkit / go-ceph / Python) |")
+        L.append("|---|---|---|---|---|")
+        for n in res["levels"]:
+            cells, busy = [], []
+            for w in ["rbdkit", "go-ceph", "python"]:
+                p = conc["per"].get(f"{w}@{n}")
+                if p:
+                    cells.append(f"{fmt_num(p['cpu_ms_per_image'], 2)} / "
+                                 f"{fmt_num(p['cluster_cpu_ms_per_image'], 2)}")
+                    busy.append(f"{p['machine_busy'] * 100:.0f} %")
+                else:
+                    cells.append("–")
+                    busy.append("–")
+            L.append(f"| {n} | " + " | ".join(cells) + " | " + " / ".join(busy) + " |")
+        L.append("")
 
     data = summary.get("data")
     if data:
@@ -768,6 +844,19 @@ def render(results, summary, cfg, mode):
                      f"{cell(f'rbdkit-aio / go-ceph|{wk}')} | "
                      f"{cell(f'rbdkit-sync / go-ceph|{wk}')} |")
         L.append("")
+        L.append("Client CPU µs per op (user + system of the contender process, open/close "
+                 "included) / cluster daemons' CPU µs per op, medians:")
+        L.append("")
+        L.append("| workload | " + " | ".join(DATA_NAMES[w] for w in res["contenders"]) + " |")
+        L.append("|---|" + "---|" * len(res["contenders"]))
+        for wk in res["workloads"]:
+            cells = []
+            for w in res["contenders"]:
+                p = data["per"].get(f"{w}|{wk}")
+                cells.append(f"{fmt_num(p['cpu_us_per_op'])} / "
+                             f"{fmt_num(p['cluster_cpu_us_per_op'])}" if p else "–")
+            L.append(f"| {wk} | " + " | ".join(cells) + " |")
+        L.append("")
 
     if results.get("errors"):
         L.append("## Failures in this run")
@@ -796,7 +885,17 @@ def main():
                     help="comma-separated sections to run (default: all)")
     ap.add_argument("--no-write", action="store_true",
                     help="full run, but print the table instead of writing BENCHMARKS.md")
+    ap.add_argument("--render", action="store_true",
+                    help="run nothing: rewrite BENCHMARKS.md from bench/results/latest.json "
+                         "(e.g. after editing bench/analysis.md)")
     args = ap.parse_args()
+    if args.render:
+        results = json.loads((RESULTS / "latest.json").read_text())
+        summary = summarize(results)
+        (REPO / "BENCHMARKS.md").write_text(
+            render(results, summary, results["config"], results["mode"]) + "\n")
+        log("rewrote BENCHMARKS.md from bench/results/latest.json")
+        return 0
     cfg = dict(SMOKE if args.smoke else FULL)
     mode = "smoke" if args.smoke else "full"
     sections = [s for s in args.only.split(",") if s]
@@ -809,18 +908,18 @@ def main():
 
     start = time.perf_counter()
     try:
-        rbdkit_bin, aio = build_rbdkit()
+        rbdkit_bin = build_rbdkit()
         goceph_bin = build_goceph()
     except (subprocess.CalledProcessError, OSError) as e:
         log(f"building the contenders failed: {e}")
         return 2
-    pending = None if aio else "rbdkit AIO (src/rbd/aio.rs) has not landed yet"
+    pending = None
     errors = []
     tag = f"{os.getpid()}"
     results = {"mode": mode, "config": {k: v for k, v in cfg.items()}, "errors": errors}
     memstore = os.environ.get("CEPH_TEST_MEMSTORE_BYTES", cfg["memstore"])
     with Cluster(memstore) as cl:
-        c = Contenders(cl, rbdkit_bin, aio, goceph_bin)
+        c = Contenders(cl, rbdkit_bin, goceph_bin)
         if "control" in sections:
             results["control"] = section_control(c, cfg, errors, tag)
         if "concurrency" in sections:

@@ -218,6 +218,8 @@ func data(o opts, ioctx *rados.IOContext, out map[string]any) {
 	}
 	img, err := rbd.OpenImage(ioctx, o.str("image"), rbd.NoSnapshot)
 	check(err)
+	// As rbd bench does first: puts librbd's cache in write-back mode.
+	check(img.Flush())
 	size, err := img.GetSize()
 	check(err)
 	blocks := size / bs

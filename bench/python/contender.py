@@ -139,6 +139,7 @@ def data(opts, ioctx, out):
     write, rand = kinds[opts["workload"]]
     bs, qd, ops = int(opts["bs"]), max(1, int(opts["qd"])), int(opts["ops"])
     image = rbd.Image(ioctx, opts["image"])
+    image.flush()  # as rbd bench does first: puts librbd's cache in write-back mode
     blocks = image.size() // bs
     buf = pattern(bs)
     cond = threading.Condition()

@@ -1,7 +1,6 @@
 //! A tiny single-threaded executor that keeps up to `depth` futures in
 //! flight: just wakers and `thread::park`, so the measurement has no
 //! runtime of its own to pay for (rbdkit's futures need none).
-#![cfg_attr(not(feature = "aio"), allow(dead_code))]
 
 use std::future::Future;
 use std::pin::Pin;
