@@ -149,6 +149,17 @@ impl Env {
         }
     }
 
+    /// A copy of the admin kubeconfig that impersonates `user` (such as
+    /// `system:serviceaccount:NS:NAME`), to run as that user's RBAC allows.
+    pub fn kubeconfig_as(&self, user: &str) -> PathBuf {
+        let text = std::fs::read_to_string(&self.kubeconfig).expect("read kubeconfig");
+        assert!(text.contains("\n  user:\n"), "unexpected kubeconfig layout");
+        let text = text.replace("\n  user:\n", &format!("\n  user:\n    as: {user}\n"));
+        let path = self.dir.path().join("kubeconfig-as");
+        std::fs::write(&path, text).expect("write kubeconfig");
+        path
+    }
+
     /// Path of the clusters config.
     pub fn config_path(&self) -> PathBuf {
         self.dir.path().join("config.json")
@@ -157,7 +168,12 @@ impl Env {
     /// Command-line arguments for a provisioner of this test, with short
     /// timings.
     pub fn cli_args(&self, identity: &str) -> Vec<String> {
-        [
+        self.cli_args_with(identity, &[])
+    }
+
+    /// [`Env::cli_args`] with some flags' values replaced (or added).
+    pub fn cli_args_with(&self, identity: &str, overrides: &[(&str, &str)]) -> Vec<String> {
+        let mut args: Vec<String> = [
             "--name",
             &self.name,
             "--clusters-config",
@@ -187,13 +203,26 @@ impl Env {
         ]
         .iter()
         .map(|s| s.to_string())
-        .collect()
+        .collect();
+        for (flag, value) in overrides {
+            match args.iter().position(|a| a == flag) {
+                Some(i) => args[i + 1] = value.to_string(),
+                None => args.extend([flag.to_string(), value.to_string()]),
+            }
+        }
+        args
     }
 
     /// Runs a provisioner in this process; it stops when the handle drops.
     pub fn start_in_process(&self) -> InProcess {
+        self.start_in_process_with(&[])
+    }
+
+    /// [`Env::start_in_process`] with some flags replaced.
+    pub fn start_in_process_with(&self, overrides: &[(&str, &str)]) -> InProcess {
+        let identity = format!("{}-inproc", self.ns);
         let argv =
-            std::iter::once("test".to_owned()).chain(self.cli_args(&format!("{}-inproc", self.ns)));
+            std::iter::once("test".to_owned()).chain(self.cli_args_with(&identity, overrides));
         let args = ArgsOnly::try_parse_from(argv)
             .expect("provisioner args")
             .args;
