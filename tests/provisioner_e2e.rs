@@ -601,6 +601,13 @@ async fn with_two_processes_only_the_leader_acts() {
         "events from {acted:?}"
     );
     assert_eq!(env.images().len(), 3, "images: {:?}", env.images());
+    // SIGTERM: a graceful exit that releases the lease at once.
+    let (status, took) = standby.terminate();
+    assert!(status.success(), "{status}: {}", standby.log_tail());
+    assert!(took < Duration::from_secs(15), "{took:?}");
+    assert_eq!(lease_holder(&env).await, None, "lease released");
+    assert!(standby.log_text().contains("released the lease"));
+
     // The key never reached a log.
     for p in [&*leader, &*standby] {
         assert!(
@@ -671,60 +678,73 @@ async fn killed_mid_provision_and_restarted_leaves_one_image_and_one_pv() {
     env.claim("gone", &class, "8Mi", &["ReadWriteOnce"], "Filesystem")
         .await;
     let claims = env.claims();
-    eventually("provisioning of 'gone' to start", WAIT, || async {
-        let c = claims.get("gone").await.map_err(|e| e.to_string())?;
-        let started = c
+    // Kill it as soon as work on the claim shows (its finalizer, a second
+    // image, or already a PV), polling fast so the kill often lands
+    // mid-provision.
+    let deadline = Instant::now() + WAIT;
+    let stage = loop {
+        let c = claims.get("gone").await.unwrap();
+        let uid = c.metadata.uid.clone().unwrap();
+        let finalizer = c
             .metadata
             .finalizers
             .unwrap_or_default()
             .iter()
             .any(|f| f == rbdkit::provisioner::controller::CLAIM_FINALIZER);
-        if started {
-            Ok(())
-        } else {
-            Err("not started".into())
+        let images = env.images().len();
+        let pv = env
+            .pvs()
+            .get_opt(&format!("pvc-{uid}"))
+            .await
+            .unwrap()
+            .is_some();
+        if finalizer || images > 1 || pv {
+            break format!("finalizer {finalizer}, images {images}, PV {pv}");
         }
-    })
-    .await;
+        assert!(
+            Instant::now() < deadline,
+            "provisioning of 'gone' never started:\n{}",
+            p3.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
     p3.kill9();
+    eprintln!("killed round 3 at: {stage}");
     env.delete_claim("gone").await;
     let _p4 = env.start_process("crash-4");
     env.wait_gone(&claims, "gone").await;
-    let images = env.images();
-    assert_eq!(
-        images.len(),
-        1,
-        "only the first claim's image is left: {images:?}"
-    );
+    // Whether the kill came before or after its PV was made, the end state
+    // is the same: no image and no PV for the deleted claim.
+    let cleaned = || async {
+        let n = env
+            .pvs()
+            .list(&Default::default())
+            .await
+            .map_err(|e| e.to_string())?
+            .items
+            .iter()
+            .filter(|p| {
+                let spec = p.spec.as_ref();
+                spec.and_then(|s| s.claim_ref.as_ref())
+                    .and_then(|r| r.name.as_deref())
+                    == Some("gone")
+                    && spec
+                        .and_then(|s| s.csi.as_ref())
+                        .is_some_and(|c| c.driver == env.name)
+            })
+            .count();
+        let images = env.images();
+        if n == 0 && images.len() == 1 {
+            Ok(())
+        } else {
+            Err(format!("{n} PVs for 'gone', images {images:?}"))
+        }
+    };
+    eventually("the deleted claim's volume cleaned up", WAIT, cleaned).await;
     stays(
-        "no PV for the deleted claim",
+        "nothing left for the deleted claim",
         Duration::from_secs(2),
-        || async {
-            let n = env
-                .pvs()
-                .list(&Default::default())
-                .await
-                .map_err(|e| e.to_string())?
-                .items
-                .iter()
-                .filter(|p| {
-                    p.spec
-                        .as_ref()
-                        .and_then(|s| s.claim_ref.as_ref())
-                        .and_then(|r| r.name.as_deref())
-                        == Some("gone")
-                        && p.spec
-                            .as_ref()
-                            .and_then(|s| s.csi.as_ref())
-                            .is_some_and(|c| c.driver == env.name)
-                })
-                .count();
-            if n == 0 {
-                Ok(())
-            } else {
-                Err(format!("{n} PVs for 'gone'"))
-            }
-        },
+        cleaned,
     )
     .await;
 }

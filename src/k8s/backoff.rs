@@ -65,10 +65,15 @@ fn jitter_fraction() -> f64 {
 }
 
 /// Consecutive failures per object, to feed [`Backoff`]. Success resets.
+///
+/// Entries of objects that stopped failing without succeeding (deleted
+/// while failing) are forgotten once they have not failed for a long while
+/// (an hour, or four maximum delays if that is longer), so the map cannot
+/// grow without bound.
 #[derive(Debug)]
 pub struct FailureCounts<K> {
     backoff: Backoff,
-    counts: Mutex<HashMap<K, u32>>,
+    counts: Mutex<HashMap<K, (u32, Instant)>>,
 }
 
 impl<K: Hash + Eq + Clone> FailureCounts<K> {
@@ -84,9 +89,19 @@ impl<K: Hash + Eq + Clone> FailureCounts<K> {
     /// retrying it.
     pub fn failed(&self, key: &K) -> Duration {
         let mut counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
-        let n = counts.entry(key.clone()).or_insert(0);
-        *n = n.saturating_add(1);
-        self.backoff.delay_with_jitter(*n)
+        let now = Instant::now();
+        let keep = self
+            .backoff
+            .max
+            .saturating_mul(4)
+            .max(Duration::from_secs(3600));
+        if counts.len() > 1024 {
+            counts.retain(|_, (_, at)| now.duration_since(*at) < keep);
+        }
+        let entry = counts.entry(key.clone()).or_insert((0, now));
+        entry.0 = entry.0.saturating_add(1);
+        entry.1 = now;
+        self.backoff.delay_with_jitter(entry.0)
     }
 
     /// Forgets the failures of `key` after it succeeded (or went away).
@@ -98,7 +113,7 @@ impl<K: Hash + Eq + Clone> FailureCounts<K> {
     /// How many consecutive failures `key` has had.
     pub fn failures(&self, key: &K) -> u32 {
         let counts = self.counts.lock().unwrap_or_else(|e| e.into_inner());
-        counts.get(key).copied().unwrap_or(0)
+        counts.get(key).map(|(n, _)| *n).unwrap_or(0)
     }
 }
 

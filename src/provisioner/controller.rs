@@ -133,12 +133,12 @@ impl Context {
     }
 
     fn first_attempt(&self, key: &str) -> Instant {
-        *self
-            .started
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(key.to_owned())
-            .or_insert_with(Instant::now)
+        let mut started = self.started.lock().unwrap_or_else(|e| e.into_inner());
+        if started.len() > 4096 {
+            // Objects deleted while failing never finish: forget old ones.
+            started.retain(|_, t| t.elapsed() < std::time::Duration::from_secs(86400));
+        }
+        *started.entry(key.to_owned()).or_insert_with(Instant::now)
     }
 
     fn finished(&self, key: &str) -> Option<Instant> {
@@ -476,6 +476,7 @@ async fn provision_steps(
 
     let params = ClassParams::parse(&class.parameters.clone().unwrap_or_default())?;
     check_access(&claim_access_modes(claim), &claim_volume_mode(claim))?;
+    check_unsupported(claim)?;
     let requested = storage_request(claim)?;
     let size = round_up_mib(requested.max(1)).max(MIB);
     if let Some(limit) = storage_limit(claim) {
@@ -603,6 +604,22 @@ async fn provision_steps(
         )
         .await;
     drop_claim_finalizer(ctx, claim).await?;
+    Ok(())
+}
+
+/// Refuses what this provisioner cannot honour, rather than hand out an
+/// empty volume where content or a particular volume was asked for.
+fn check_unsupported(claim: &PersistentVolumeClaim) -> Result<(), String> {
+    let spec = claim.spec.as_ref();
+    if spec.is_some_and(|s| s.data_source.is_some() || s.data_source_ref.is_some()) {
+        return Err(
+            "the claim has a data source (clone or snapshot restore), which this provisioner does not support yet"
+                .into(),
+        );
+    }
+    if spec.is_some_and(|s| s.selector.is_some()) {
+        return Err("the claim has a selector, which dynamic provisioning does not support".into());
+    }
     Ok(())
 }
 

@@ -206,13 +206,7 @@ pub fn ensure_image(
         return Ok(current);
     }
     let temp = format!("{}{TEMP_SUFFIX}", vol.image);
-    // A create that was cut short leaves the temporary image: adopt it.
-    match timed(metrics, "create", || rbd::create(&io, &temp, size, options)) {
-        Ok(()) => {}
-        Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(e.into()),
-    }
-    let image = timed(metrics, "open", || Image::open(&io, &temp))?;
+    let image = create_temp(&io, metrics, &temp, size, options)?;
     for (k, v) in owner.pairs() {
         timed(metrics, "metadata_set", || image.metadata_set(k, v))?;
     }
@@ -227,6 +221,45 @@ pub fn ensure_image(
             Ok(timed(metrics, "size", || img.size())?)
         }
         Err(e) => Err(e.into()),
+    }
+}
+
+/// Creates (or adopts) the temporary image and opens it read-write.
+///
+/// An earlier attempt cut short leaves either a complete temporary image,
+/// which is adopted, or (killed inside `rbd_create4`) a half-made one whose
+/// name is taken but which cannot be opened; that one is removed and made
+/// again. The temporary name derives from the claim's uid, so it is ours.
+fn create_temp(
+    io: &IoCtx,
+    metrics: &Metrics,
+    temp: &str,
+    size: u64,
+    options: &ImageOptions,
+) -> Result<Image, VolumeError> {
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        match timed(metrics, "create", || rbd::create(io, temp, size, options)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e.into()),
+        }
+        match timed(metrics, "open", || Image::open(io, temp)) {
+            Ok(image) => return Ok(image),
+            Err(e) if e.kind() == ErrorKind::NotFound && attempts < 3 => {
+                tracing::warn!(
+                    image = temp,
+                    "removing a half-created image left by an interrupted create"
+                );
+                match timed(metrics, "remove", || rbd::remove(io, temp)) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == ErrorKind::NotFound => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
     }
 }
 
@@ -264,6 +297,15 @@ pub fn delete_image(
     let mut outcome = Deleted::AlreadyGone;
     for name in [vol.image.as_str(), temp.as_str()] {
         let Some(image) = open_if_exists(&io, metrics, name)? else {
+            if name == temp {
+                // A create killed half-way leaves a name that cannot be
+                // opened; remove cleans that up too.
+                match timed(metrics, "remove", || rbd::remove(&io, name)) {
+                    Ok(()) => outcome = Deleted::Removed,
+                    Err(e) if e.kind() == ErrorKind::NotFound => {}
+                    Err(e) => return Err(e.into()),
+                }
+            }
             continue;
         };
         match check_owner(&image, metrics, provisioner, pv_name) {

@@ -597,6 +597,28 @@ impl ChildProvisioner {
         }
     }
 
+    /// Sends SIGTERM and waits (at most 30 s) for it to exit; returns its
+    /// exit status and how long it took.
+    pub fn terminate(&mut self) -> (std::process::ExitStatus, Duration) {
+        let mut c = self.child.take().expect("running");
+        let started = Instant::now();
+        let status = Command::new("kill")
+            .args(["-TERM", &c.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -TERM failed");
+        loop {
+            if let Some(status) = c.try_wait().expect("wait") {
+                return (status, started.elapsed());
+            }
+            if started.elapsed() > Duration::from_secs(30) {
+                let _ = c.kill();
+                panic!("no exit 30 s after SIGTERM:\n{}", self.log_tail());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Whether it is still running.
     pub fn running(&mut self) -> bool {
         match self.child.as_mut() {

@@ -1,0 +1,231 @@
+//! The provisioner's Ceph side against a real cluster, without Kubernetes:
+//! the connection cache and the image operations with their ownership
+//! checks.
+#![cfg(feature = "service")]
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use prometheus_client::registry::Registry;
+
+use rbdkit::blocking::BlockingPool;
+use rbdkit::provisioner::clusters::{ClusterInfo, Connections, Credentials};
+use rbdkit::provisioner::metrics::Metrics;
+use rbdkit::provisioner::pv::VolumeId;
+use rbdkit::provisioner::volume::{
+    delete_image, ensure_image, expand_image, Deleted, Owner, VolumeError, TEMP_SUFFIX,
+};
+use rbdkit::rados::Secret;
+use rbdkit::rbd::{self, Image, ImageOptions};
+use rbdkit::{Error, ErrorKind};
+
+use support::ceph::{cluster, TestCluster, TestNs, POOL};
+
+fn metrics() -> Metrics {
+    Metrics::new(&mut Registry::default())
+}
+
+fn info() -> ClusterInfo {
+    ClusterInfo {
+        cluster_id: "test".into(),
+        monitors: vec![TestCluster::get().conf_value("mon host").unwrap()],
+        rados_namespace: String::new(),
+    }
+}
+
+fn admin() -> Credentials {
+    Credentials {
+        user: "admin".into(),
+        key: Secret::new(TestCluster::get().admin_key()),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_shared_counted_reaped_and_rebuilt() {
+    let conns = Connections::new(
+        BlockingPool::new(2),
+        Duration::from_secs(10),
+        Duration::from_secs(30),
+        metrics(),
+    );
+    let a = conns.get(&info(), &admin()).await.unwrap();
+    let b = conns.get(&info(), &admin()).await.unwrap();
+    assert_eq!(
+        a.cluster().instance_id(),
+        b.cluster().instance_id(),
+        "shared"
+    );
+    assert_eq!(conns.len(), 1);
+    // In use: never reaped, however idle.
+    assert_eq!(conns.reap(Duration::ZERO), 0);
+    drop(b);
+    assert_eq!(conns.reap(Duration::ZERO), 0, "still used by a");
+    // A broken connection is rebuilt for the next user.
+    a.check(&Error::from_errno(libc::ETIMEDOUT, "rados_x", "test"));
+    let first = a.cluster().instance_id();
+    drop(a);
+    let c = conns.get(&info(), &admin()).await.unwrap();
+    assert_ne!(
+        c.cluster().instance_id(),
+        first,
+        "rebuilt after a broken call"
+    );
+    // A request error does not mark it broken.
+    c.check(&Error::from_errno(libc::ENOENT, "rbd_open", "x"));
+    let second = c.cluster().instance_id();
+    drop(c);
+    let d = conns.get(&info(), &admin()).await.unwrap();
+    assert_eq!(d.cluster().instance_id(), second);
+    drop(d);
+    // Idle: dropped.
+    assert_eq!(conns.reap(Duration::ZERO), 1);
+    assert!(conns.is_empty());
+    // A wrong key fails (and is not cached).
+    let bad = Credentials {
+        user: "admin".into(),
+        key: Secret::new("AQAAAAAAAAAAABAAAAAAAAAAAAAAAAAAAAAAAA=="),
+    };
+    let e = conns.get(&info(), &bad).await.unwrap_err();
+    assert!(!e.to_string().contains("AQAAAA"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_cluster_fails_in_bounded_time() {
+    // A port nobody listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dead = ClusterInfo {
+        cluster_id: "dead".into(),
+        monitors: vec![format!("v1:127.0.0.1:{port}")],
+        rados_namespace: String::new(),
+    };
+    let conns = Connections::new(
+        BlockingPool::new(2),
+        Duration::from_secs(3),
+        Duration::from_secs(3),
+        metrics(),
+    );
+    let t = Instant::now();
+    let e = tokio::time::timeout(Duration::from_secs(30), conns.get(&dead, &admin()))
+        .await
+        .expect("bounded by the connect timeout")
+        .unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    assert!(
+        matches!(e.kind(), ErrorKind::TimedOut) || e.errno() != 0,
+        "{e}"
+    );
+}
+
+fn owner(pv: &str) -> Owner {
+    Owner {
+        provisioner: "p.rbdkit.test".into(),
+        pv_name: pv.into(),
+        pvc_namespace: "ns".into(),
+        pvc_name: "claim".into(),
+        cluster_id: "test".into(),
+    }
+}
+
+#[test]
+fn image_operations_check_ownership_and_are_idempotent() {
+    let ns = TestNs::new("volops");
+    let m = metrics();
+    let c = cluster();
+    let vol = VolumeId {
+        cluster_id: "test".into(),
+        pool: POOL.into(),
+        rados_namespace: ns.name.clone(),
+        image: "pvc-1".into(),
+    };
+    let opts = ImageOptions::new();
+    // Create, and create again: same image.
+    assert_eq!(
+        ensure_image(&c, &m, &vol, 8 << 20, &opts, &owner("pvc-1")).unwrap(),
+        8 << 20
+    );
+    assert_eq!(
+        ensure_image(&c, &m, &vol, 8 << 20, &opts, &owner("pvc-1")).unwrap(),
+        8 << 20
+    );
+    assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec!["pvc-1"]);
+    // Someone else's claim on the same name: refused.
+    let e = ensure_image(&c, &m, &vol, 8 << 20, &opts, &owner("pvc-2")).unwrap_err();
+    assert!(matches!(e, VolumeError::NotOwned { .. }), "{e}");
+
+    // A create cut short (temporary image, no metadata yet) is adopted.
+    let vol2 = VolumeId {
+        image: "pvc-2".into(),
+        ..vol.clone()
+    };
+    rbd::create(&ns.ioctx, &format!("pvc-2{TEMP_SUFFIX}"), 4 << 20, &opts).unwrap();
+    assert_eq!(
+        ensure_image(&c, &m, &vol2, 4 << 20, &opts, &owner("pvc-2")).unwrap(),
+        4 << 20
+    );
+    assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec!["pvc-1", "pvc-2"]);
+
+    // An image that is not ours is never resized or removed.
+    rbd::create(&ns.ioctx, "foreign", 4 << 20, &opts).unwrap();
+    let foreign = VolumeId {
+        image: "foreign".into(),
+        ..vol.clone()
+    };
+    assert!(matches!(
+        expand_image(&c, &m, &foreign, "p.rbdkit.test", "foreign", 8 << 20).unwrap_err(),
+        VolumeError::NotOwned { .. }
+    ));
+    assert!(matches!(
+        delete_image(&c, &m, &foreign, "p.rbdkit.test", "foreign").unwrap_err(),
+        VolumeError::NotOwned { .. }
+    ));
+    assert!(matches!(
+        delete_image(&c, &m, &vol, "p.rbdkit.test", "pvc-other").unwrap_err(),
+        VolumeError::NotOwned { .. }
+    ));
+    assert_eq!(
+        Image::open_read_only(&ns.ioctx, "foreign")
+            .unwrap()
+            .size()
+            .unwrap(),
+        4 << 20
+    );
+
+    // Expand: grow, same size again is fine, smaller is refused.
+    assert_eq!(
+        expand_image(&c, &m, &vol, "p.rbdkit.test", "pvc-1", 16 << 20).unwrap(),
+        16 << 20
+    );
+    assert_eq!(
+        expand_image(&c, &m, &vol, "p.rbdkit.test", "pvc-1", 16 << 20).unwrap(),
+        16 << 20
+    );
+    assert!(matches!(
+        expand_image(&c, &m, &vol, "p.rbdkit.test", "pvc-1", 8 << 20).unwrap_err(),
+        VolumeError::ShrinkRefused { .. }
+    ));
+
+    // Delete: in use is refused, then removed, then already gone.
+    let held = Image::open(&ns.ioctx, "pvc-1").unwrap();
+    assert!(matches!(
+        delete_image(&c, &m, &vol, "p.rbdkit.test", "pvc-1").unwrap_err(),
+        VolumeError::InUse { .. }
+    ));
+    held.close().unwrap();
+    assert_eq!(
+        delete_image(&c, &m, &vol, "p.rbdkit.test", "pvc-1").unwrap(),
+        Deleted::Removed
+    );
+    assert_eq!(
+        delete_image(&c, &m, &vol, "p.rbdkit.test", "pvc-1").unwrap(),
+        Deleted::AlreadyGone
+    );
+    assert_eq!(
+        rbd::list_names(&ns.ioctx).unwrap(),
+        vec!["foreign", "pvc-2"]
+    );
+}
