@@ -292,7 +292,8 @@ async fn wait_for_first_consumer_waits_for_the_selected_node() {
             json!({"volumeBindingMode": "WaitForFirstConsumer"}),
         )
         .await;
-    let provisioner = env.start_in_process();
+    // Also covers running without leader election (a single replica).
+    let provisioner = env.start_in_process_with(&[("--leader-election", "false")]);
     env.claim("data", &class, "8Mi", &["ReadWriteOnce"], "Filesystem")
         .await;
     let claims = env.claims();

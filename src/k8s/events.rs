@@ -74,7 +74,8 @@ impl Events {
     }
 }
 
-/// One line of at most [`MAX_NOTE`] bytes, cut on a character boundary.
+/// One line of at most 1000 bytes (the API limit), cut on a character
+/// boundary.
 pub fn clip(note: &str) -> String {
     let one_line = note.replace(['\n', '\r'], " ");
     if one_line.len() <= MAX_NOTE {
