@@ -783,3 +783,25 @@ async fn snapshots_send_the_image_through_the_trash() {
     assert!(rbd::trash_list(&env.rbd.ioctx).unwrap().is_empty());
     provisioner.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_clusters_config_is_reloaded_when_it_changes() {
+    let mut env = Env::new("reload").await;
+    let class = env.storage_class("later", json!({}), json!({})).await;
+    // The class's clusterID is not in the config yet.
+    env.write_config("some-other-cluster");
+    let provisioner = env.start_in_process();
+    env.claim("data", &class, "8Mi", &["ReadWriteOnce"], "Filesystem")
+        .await;
+    env.wait_event(
+        "data",
+        "ProvisioningFailed",
+        &[&env.cluster_id, "clusters config"],
+    )
+    .await;
+    // Fixing the file is enough: no restart.
+    env.write_config(&env.cluster_id.clone());
+    let (_, pv) = env.wait_bound("data").await;
+    assert_eq!(env.images(), vec![pv.metadata.name.unwrap()]);
+    provisioner.stop().await;
+}

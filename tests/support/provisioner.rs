@@ -160,6 +160,22 @@ impl Env {
         path
     }
 
+    /// Rewrites the clusters config, mapping `cluster_id` to this test's
+    /// cluster and RADOS namespace (atomically, as a ConfigMap update is).
+    pub fn write_config(&self, cluster_id: &str) {
+        let mons = TestCluster::get()
+            .conf_value("mon host")
+            .expect("mon host in ceph.conf");
+        let config = json!([{
+            "clusterID": cluster_id,
+            "monitors": [mons],
+            "rbd": {"radosNamespace": self.rbd.name},
+        }]);
+        let tmp = self.dir.path().join("config.json.new");
+        std::fs::write(&tmp, config.to_string()).expect("write config");
+        std::fs::rename(&tmp, self.config_path()).expect("replace config");
+    }
+
     /// Path of the clusters config.
     pub fn config_path(&self) -> PathBuf {
         self.dir.path().join("config.json")
