@@ -359,6 +359,13 @@ async fn bad_parameters_produce_an_event_and_no_image() {
     let size = env
         .storage_class("size", json!({"objectSize": "3Mi"}), json!({}))
         .await;
+    let nosecret = env
+        .storage_class(
+            "nosecret",
+            json!({"csi.storage.k8s.io/provisioner-secret-name": "missing"}),
+            json!({}),
+        )
+        .await;
     let provisioner = env.start_in_process();
     env.claim("deps", &deps, "8Mi", &["ReadWriteOnce"], "Filesystem")
         .await;
@@ -384,6 +391,23 @@ async fn bad_parameters_produce_an_event_and_no_image() {
         &["objectSize", "power of two"],
     )
     .await;
+    env.claim(
+        "nosecret",
+        &nosecret,
+        "8Mi",
+        &["ReadWriteOnce"],
+        "Filesystem",
+    )
+    .await;
+    env.wait_event(
+        "nosecret",
+        "ProvisioningFailed",
+        &["Secret", "missing", "not found"],
+    )
+    .await;
+    // No finalizer was left behind that would need the missing Secret.
+    env.delete_claim("nosecret").await;
+    env.wait_gone(&env.claims(), "nosecret").await;
     // It keeps retrying, and still creates nothing.
     stays("no image and no PV", Duration::from_secs(3), || async {
         let pvs = env

@@ -521,6 +521,10 @@ async fn provision_steps(
         image: params.image_name(pv_name),
     };
 
+    // Credentials and connection first: a missing Secret or an unreachable
+    // cluster must not leave a finalizer that needs them to be removed.
+    let conn = ctx.connect(&params.cluster_id, &prov_secret).await?;
+
     // Before any image exists: the claim cannot go away without us
     // cleaning up, and we will know where to look.
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &namespace);
@@ -547,7 +551,6 @@ async fn provision_steps(
         )
         .await;
 
-    let conn = ctx.connect(&params.cluster_id, &prov_secret).await?;
     let owner = Owner {
         provisioner: ctx.name.clone(),
         pv_name: pv_name.to_owned(),
