@@ -21,6 +21,31 @@ pub(crate) extern "C" fn no_progress(
     0
 }
 
+/// Calls a librbd list function that fills an array of `T` and reports the
+/// count through its `size_t *` argument, growing the array while it answers
+/// `-ERANGE` with a larger count (up to `1 << 20` entries).
+///
+/// Returns the C return value and the array cut to the reported count. Only
+/// when the return value is non-negative does the array hold entries that
+/// librbd filled; the caller copies them out and then hands the same array
+/// to the matching `*_cleanup` call.
+pub(crate) fn fill_array<T: Default + Clone>(
+    mut call: impl FnMut(*mut T, &mut usize) -> i32,
+) -> (i32, Vec<T>) {
+    let mut max = 16usize;
+    loop {
+        let mut entries = vec![T::default(); max];
+        let mut n = max;
+        let ret = call(entries.as_mut_ptr(), &mut n);
+        if ret == -libc::ERANGE && n > max && n <= 1 << 20 {
+            max = n;
+            continue;
+        }
+        entries.truncate(n.min(max));
+        return (ret, entries);
+    }
+}
+
 /// Converts a Rust string for C, refusing interior NUL bytes with a clear
 /// error that names what the string was.
 pub(crate) fn cstr(s: &str, op: &'static str, what: &str) -> Result<CString> {

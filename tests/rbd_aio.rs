@@ -18,6 +18,7 @@ use futures::task::noop_waker;
 use rbdkit::rbd::{self, aio_live_requests, Image, ImageOptions};
 use rbdkit::ErrorKind;
 use support::ceph::TestNs;
+use support::data::pattern;
 
 const MIB: u64 = 1 << 20;
 
@@ -31,19 +32,6 @@ fn shared() -> RwLockReadGuard<'static, ()> {
 
 fn exclusive() -> RwLockWriteGuard<'static, ()> {
     COUNTER.write().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Deterministic pseudo-random bytes: different seeds give different data.
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
 }
 
 fn new_image(ns: &TestNs, name: &str, size: u64) -> Image {

@@ -10,21 +10,10 @@ use std::sync::Arc;
 
 use rbdkit::rbd::{self, Image, ImageIo, ImageOptions};
 use support::ceph::TestNs;
+use support::data::pattern;
 use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 
 const MIB: u64 = 1 << 20;
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn image_io_copies_in_reads_back_and_seeks() {

@@ -121,6 +121,21 @@ struct IoVecs {
     _iov: Vec<sys::iovec>,
 }
 
+/// Builds the iovecs over `bufs` and the payload that owns both; returns the
+/// iovec pointer and count to hand to librbd. The pointers stay valid while
+/// the payload lives: moving a `Vec` does not move its heap buffer.
+fn iovec_payload(mut bufs: Vec<Vec<u8>>) -> (Payload, *const sys::iovec, c_int) {
+    let iov: Vec<sys::iovec> = bufs
+        .iter_mut()
+        .map(|b| sys::iovec {
+            iov_base: b.as_mut_ptr().cast(),
+            iov_len: b.len(),
+        })
+        .collect();
+    let (p, n) = (iov.as_ptr(), iov.len() as c_int);
+    (Payload::Bufs(bufs, IoVecs { _iov: iov }), p, n)
+}
+
 /// What a request owns on librbd's behalf until it completes.
 enum Payload {
     None,
@@ -544,21 +559,13 @@ impl Image {
     /// the end of the image). Wraps `rbd_aio_readv`.
     ///
     /// Takes 1 to 1024 buffers.
-    pub fn aio_readv(&self, offset: u64, mut bufs: Vec<Vec<u8>>) -> AioFuture<Vec<Vec<u8>>> {
+    pub fn aio_readv(&self, offset: u64, bufs: Vec<Vec<u8>>) -> AioFuture<Vec<Vec<u8>>> {
         let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
         if let Err(e) = check_iovecs(self, "rbd_aio_readv", offset, bufs.len(), total) {
             return self.aio_refused(e, finish_readv);
         }
-        let iov: Vec<sys::iovec> = bufs
-            .iter_mut()
-            .map(|b| sys::iovec {
-                iov_base: b.as_mut_ptr().cast(),
-                iov_len: b.len(),
-            })
-            .collect();
-        let (p, n) = (iov.as_ptr(), iov.len() as c_int);
+        let (payload, p, n) = iovec_payload(bufs);
         let raw = self.raw();
-        let payload = Payload::Bufs(bufs, IoVecs { _iov: iov });
         self.aio_start("rbd_aio_readv", payload, finish_readv, |_, c| {
             // SAFETY: the image is open; `p` points to `n` iovecs, each
             // describing a writable buffer; the iovecs and the buffers are
@@ -571,21 +578,13 @@ impl Image {
     /// Wraps `rbd_aio_writev`.
     ///
     /// Takes 1 to 1024 buffers.
-    pub fn aio_writev(&self, offset: u64, mut bufs: Vec<Vec<u8>>) -> AioFuture<()> {
+    pub fn aio_writev(&self, offset: u64, bufs: Vec<Vec<u8>>) -> AioFuture<()> {
         let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
         if let Err(e) = check_iovecs(self, "rbd_aio_writev", offset, bufs.len(), total) {
             return self.aio_refused(e, finish_unit);
         }
-        let iov: Vec<sys::iovec> = bufs
-            .iter_mut()
-            .map(|b| sys::iovec {
-                iov_base: b.as_mut_ptr().cast(),
-                iov_len: b.len(),
-            })
-            .collect();
-        let (p, n) = (iov.as_ptr(), iov.len() as c_int);
+        let (payload, p, n) = iovec_payload(bufs);
         let raw = self.raw();
-        let payload = Payload::Bufs(bufs, IoVecs { _iov: iov });
         self.aio_start("rbd_aio_writev", payload, finish_unit, |_, c| {
             // SAFETY: the image is open; `p` points to `n` iovecs over
             // readable buffers owned by the request until the completion

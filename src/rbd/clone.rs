@@ -6,7 +6,7 @@ use crate::error::{cvt, Error, Result};
 use crate::rados::IoCtx;
 use crate::rbd::options::ImageOptions;
 use crate::rbd::Image;
-use crate::util::{cstr, from_cstr};
+use crate::util::{cstr, fill_array, from_cstr};
 
 /// Creates `child` as a copy-on-write clone of `parent@snapshot`. Wraps
 /// `rbd_clone3`. The parent needs the `layering` feature and, with clone
@@ -142,23 +142,13 @@ impl Image {
         op: &'static str,
         call: impl Fn(sys::rbd_image_t, *mut sys::rbd_linked_image_spec_t, *mut usize) -> i32,
     ) -> Result<Vec<LinkedImage>> {
-        let mut max = 16usize;
-        loop {
-            let mut specs = vec![sys::rbd_linked_image_spec_t::default(); max];
-            let mut n = max;
-            // `specs` has room for `n` entries; on -ERANGE librbd sets `n` to
-            // the count it needs and fills nothing.
-            let ret = call(self.raw(), specs.as_mut_ptr(), &mut n);
-            if ret == -libc::ERANGE && n > max && n <= 1 << 20 {
-                max = n;
-                continue;
-            }
-            self.cvt(ret, op)?;
-            let n = n.min(max);
-            let out = specs[..n].iter().map(LinkedImage::from_raw).collect();
-            // SAFETY: the first `n` entries were filled and are freed once.
-            unsafe { sys::rbd_linked_image_spec_list_cleanup(specs.as_mut_ptr(), n) };
-            return Ok(out);
-        }
+        // `call` gets room for `*n` entries; on -ERANGE librbd sets `*n` to
+        // the count it needs and fills nothing.
+        let (ret, mut specs) = fill_array(|p, n| call(self.raw(), p, n));
+        self.cvt(ret, op)?;
+        let out = specs.iter().map(LinkedImage::from_raw).collect();
+        // SAFETY: the entries were filled and are freed once.
+        unsafe { sys::rbd_linked_image_spec_list_cleanup(specs.as_mut_ptr(), specs.len()) };
+        Ok(out)
     }
 }

@@ -7,7 +7,7 @@ use rbd_sys as sys;
 
 use crate::error::{cvt, Result};
 use crate::rados::IoCtx;
-use crate::util::{cstr, from_cstr, split_nul_list, with_growing_buffer};
+use crate::util::{cstr, fill_array, from_cstr, split_nul_list, with_growing_buffer};
 
 /// An image in a group, from `rbd_group_image_list`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -118,46 +118,25 @@ pub fn group_image_remove(
 /// Lists a group's images. Wraps `rbd_group_image_list`.
 pub fn group_image_list(io: &IoCtx, group: &str) -> Result<Vec<GroupImage>> {
     let g = cstr(group, "rbd_group_image_list", "group name")?;
-    let mut max = 16usize;
-    loop {
-        let mut entries = vec![sys::rbd_group_image_info_t::default(); max];
-        let mut n = max;
-        // SAFETY: `entries` has room for `n` entries of the size passed; on
-        // -ERANGE librbd sets `n` to the count it needs.
-        let ret = unsafe {
-            sys::rbd_group_image_list(
-                io.raw(),
-                g.as_ptr(),
-                entries.as_mut_ptr(),
-                size_of::<sys::rbd_group_image_info_t>(),
-                &mut n,
-            )
-        };
-        if ret == -libc::ERANGE && n > max && n <= 1 << 20 {
-            max = n;
-            continue;
-        }
-        cvt(ret, "rbd_group_image_list", || group_obj(io, group))?;
-        let n = n.min(max);
-        let out = entries[..n]
-            .iter()
-            .map(|e| GroupImage {
-                // SAFETY: librbd filled the first `n` entries.
-                name: unsafe { from_cstr(e.name) },
-                pool_id: e.pool,
-                attached: e.state == sys::RBD_GROUP_IMAGE_STATE_ATTACHED,
-            })
-            .collect();
-        // SAFETY: the first `n` entries were filled and are freed once.
-        unsafe {
-            sys::rbd_group_image_list_cleanup(
-                entries.as_mut_ptr(),
-                size_of::<sys::rbd_group_image_info_t>(),
-                n,
-            )
-        };
-        return Ok(out);
-    }
+    let size = size_of::<sys::rbd_group_image_info_t>();
+    let (ret, mut entries) = fill_array(|p, n| {
+        // SAFETY: `p` has room for `*n` entries of `size` bytes; on -ERANGE
+        // librbd sets `*n` to the count it needs.
+        unsafe { sys::rbd_group_image_list(io.raw(), g.as_ptr(), p, size, n) }
+    });
+    cvt(ret, "rbd_group_image_list", || group_obj(io, group))?;
+    let out = entries
+        .iter()
+        .map(|e| GroupImage {
+            // SAFETY: librbd filled these entries.
+            name: unsafe { from_cstr(e.name) },
+            pool_id: e.pool,
+            attached: e.state == sys::RBD_GROUP_IMAGE_STATE_ATTACHED,
+        })
+        .collect();
+    // SAFETY: the entries were filled and are freed once.
+    unsafe { sys::rbd_group_image_list_cleanup(entries.as_mut_ptr(), size, entries.len()) };
+    Ok(out)
 }
 
 /// Snapshots every image of the group at once. Wraps `rbd_group_snap_create`.
@@ -200,43 +179,22 @@ pub fn group_snap_rollback(io: &IoCtx, group: &str, snap: &str) -> Result<()> {
 /// Lists a group's snapshots. Wraps `rbd_group_snap_list`.
 pub fn group_snap_list(io: &IoCtx, group: &str) -> Result<Vec<GroupSnap>> {
     let g = cstr(group, "rbd_group_snap_list", "group name")?;
-    let mut max = 16usize;
-    loop {
-        let mut entries = vec![sys::rbd_group_snap_info_t::default(); max];
-        let mut n = max;
-        // SAFETY: `entries` has room for `n` entries of the size passed; on
-        // -ERANGE librbd sets `n` to the count it needs.
-        let ret = unsafe {
-            sys::rbd_group_snap_list(
-                io.raw(),
-                g.as_ptr(),
-                entries.as_mut_ptr(),
-                size_of::<sys::rbd_group_snap_info_t>(),
-                &mut n,
-            )
-        };
-        if ret == -libc::ERANGE && n > max && n <= 1 << 20 {
-            max = n;
-            continue;
-        }
-        cvt(ret, "rbd_group_snap_list", || group_obj(io, group))?;
-        let n = n.min(max);
-        let out = entries[..n]
-            .iter()
-            .map(|e| GroupSnap {
-                // SAFETY: librbd filled the first `n` entries.
-                name: unsafe { from_cstr(e.name) },
-                complete: e.state == sys::RBD_GROUP_SNAP_STATE_COMPLETE,
-            })
-            .collect();
-        // SAFETY: the first `n` entries were filled and are freed once.
-        unsafe {
-            sys::rbd_group_snap_list_cleanup(
-                entries.as_mut_ptr(),
-                size_of::<sys::rbd_group_snap_info_t>(),
-                n,
-            )
-        };
-        return Ok(out);
-    }
+    let size = size_of::<sys::rbd_group_snap_info_t>();
+    let (ret, mut entries) = fill_array(|p, n| {
+        // SAFETY: `p` has room for `*n` entries of `size` bytes; on -ERANGE
+        // librbd sets `*n` to the count it needs.
+        unsafe { sys::rbd_group_snap_list(io.raw(), g.as_ptr(), p, size, n) }
+    });
+    cvt(ret, "rbd_group_snap_list", || group_obj(io, group))?;
+    let out = entries
+        .iter()
+        .map(|e| GroupSnap {
+            // SAFETY: librbd filled these entries.
+            name: unsafe { from_cstr(e.name) },
+            complete: e.state == sys::RBD_GROUP_SNAP_STATE_COMPLETE,
+        })
+        .collect();
+    // SAFETY: the entries were filled and are freed once.
+    unsafe { sys::rbd_group_snap_list_cleanup(entries.as_mut_ptr(), size, entries.len()) };
+    Ok(out)
 }

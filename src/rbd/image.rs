@@ -11,7 +11,7 @@ use crate::error::{cvt, Error, ErrorKind, Result};
 use crate::rados::IoCtx;
 use crate::rbd::options::ImageOptions;
 use crate::rbd::Features;
-use crate::util::{cstr, from_cstr, no_progress, string_from_buf, with_growing_buffer};
+use crate::util::{cstr, fill_array, from_cstr, no_progress, string_from_buf, with_growing_buffer};
 
 /// Creates an image of `size` bytes. Wraps `rbd_create4`.
 ///
@@ -45,33 +45,25 @@ pub struct ImageSpec {
 /// Lists the images of the ioctx's pool and namespace. Wraps `rbd_list2`
 /// (retrying with a larger array on `ERANGE`).
 pub fn list(ioctx: &IoCtx) -> Result<Vec<ImageSpec>> {
-    let mut max = 64usize;
-    loop {
-        let mut specs: Vec<sys::rbd_image_spec_t> = vec![sys::rbd_image_spec_t::default(); max];
-        let mut n = max;
-        // SAFETY: `specs` has room for `n` entries; librbd sets `n` to the
+    let (ret, mut specs) = fill_array(|p, n| {
+        // SAFETY: `p` has room for `*n` entries; librbd sets `*n` to the
         // count (or the count it needs, with -ERANGE).
-        let ret = unsafe { sys::rbd_list2(ioctx.raw(), specs.as_mut_ptr(), &mut n) };
-        if ret == -libc::ERANGE && n > max && n <= crate::util::MAX_BUFFER {
-            max = n;
-            continue;
-        }
-        cvt(ret, "rbd_list2", || ioctx.spec())?;
-        let n = n.min(max);
-        let out = specs[..n]
-            .iter()
-            .map(|s| ImageSpec {
-                // SAFETY: librbd filled the first `n` entries with valid strings.
-                id: unsafe { from_cstr(s.id) },
-                // SAFETY: as above.
-                name: unsafe { from_cstr(s.name) },
-            })
-            .collect();
-        // SAFETY: the first `n` entries were filled by rbd_list2 and are
-        // released exactly once here, as the header asks.
-        unsafe { sys::rbd_image_spec_list_cleanup(specs.as_mut_ptr(), n) };
-        return Ok(out);
-    }
+        unsafe { sys::rbd_list2(ioctx.raw(), p, n) }
+    });
+    cvt(ret, "rbd_list2", || ioctx.spec())?;
+    let out = specs
+        .iter()
+        .map(|s| ImageSpec {
+            // SAFETY: librbd filled these entries with valid strings.
+            id: unsafe { from_cstr(s.id) },
+            // SAFETY: as above.
+            name: unsafe { from_cstr(s.name) },
+        })
+        .collect();
+    // SAFETY: the entries were filled by rbd_list2 and are released exactly
+    // once here, as the header asks.
+    unsafe { sys::rbd_image_spec_list_cleanup(specs.as_mut_ptr(), specs.len()) };
+    Ok(out)
 }
 
 /// Names of the images of the ioctx's pool and namespace, sorted.

@@ -6,7 +6,7 @@ use rbd_sys as sys;
 
 use crate::error::{cvt, Result};
 use crate::rados::IoCtx;
-use crate::util::{cstr, from_cstr};
+use crate::util::{cstr, fill_array, from_cstr};
 
 /// Why an image is in the trash.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,24 +73,16 @@ pub fn trash_move(ioctx: &IoCtx, name: &str, delay: Duration) -> Result<()> {
 
 /// Lists the trash of the ioctx's pool and namespace. Wraps `rbd_trash_list`.
 pub fn trash_list(ioctx: &IoCtx) -> Result<Vec<TrashEntry>> {
-    let mut max = 32usize;
-    loop {
-        let mut entries = vec![sys::rbd_trash_image_info_t::default(); max];
-        let mut n = max;
-        // SAFETY: `entries` has room for `n`; on -ERANGE librbd sets `n` to
-        // the count it needs.
-        let ret = unsafe { sys::rbd_trash_list(ioctx.raw(), entries.as_mut_ptr(), &mut n) };
-        if ret == -libc::ERANGE && n > max && n <= 1 << 20 {
-            max = n;
-            continue;
-        }
-        let count = cvt(ret, "rbd_trash_list", || ioctx.spec())? as usize;
-        let count = count.min(max);
-        let out = entries[..count].iter().map(entry).collect();
-        // SAFETY: the first `count` entries were filled and are freed once.
-        unsafe { sys::rbd_trash_list_cleanup(entries.as_mut_ptr(), count) };
-        return Ok(out);
-    }
+    let (ret, mut entries) = fill_array(|p, n| {
+        // SAFETY: `p` has room for `*n` entries; on -ERANGE librbd sets `*n`
+        // to the count it needs.
+        unsafe { sys::rbd_trash_list(ioctx.raw(), p, n) }
+    });
+    cvt(ret, "rbd_trash_list", || ioctx.spec())?;
+    let out = entries.iter().map(entry).collect();
+    // SAFETY: the entries were filled and are freed once.
+    unsafe { sys::rbd_trash_list_cleanup(entries.as_mut_ptr(), entries.len()) };
+    Ok(out)
 }
 
 /// One trash entry by image id. Wraps `rbd_trash_get`.

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod ceph;
+pub mod data;
 #[cfg(feature = "service")]
 pub mod k8s;
 #[cfg(feature = "service")]
