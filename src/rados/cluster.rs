@@ -367,6 +367,10 @@ impl Drop for ClusterHandle {
 /// Cheap to clone: clones share one connection, which is shut down when the
 /// last clone and the last [`IoCtx`] or image made from it are dropped. It is
 /// `Send + Sync`, so one connection can serve many threads.
+///
+/// Drop it before the process exits (do not park it in a static that is
+/// never dropped): librados threads left running while `exit()` tears down
+/// librados' C++ statics can abort the process.
 #[derive(Clone)]
 pub struct Cluster {
     pub(crate) inner: Arc<ClusterHandle>,

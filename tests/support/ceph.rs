@@ -134,10 +134,27 @@ impl TestCluster {
     }
 }
 
+static SHARED: Mutex<Option<Cluster>> = Mutex::new(None);
+
+/// Shuts the shared connection down before the process exits. librados
+/// threads still running while its C++ statics are destroyed can abort the
+/// process (`boost::bad_get`), so the handle must not outlive `main`.
+extern "C" fn shut_down_shared_connection() {
+    let shared = SHARED.lock().ok().and_then(|mut c| c.take());
+    drop(shared);
+}
+
 /// One admin connection shared by the tests of a process.
 pub fn cluster() -> Cluster {
-    static SHARED: OnceLock<Cluster> = OnceLock::new();
-    SHARED.get_or_init(|| TestCluster::get().connect()).clone()
+    let mut shared = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+    if shared.is_none() {
+        *shared = Some(TestCluster::get().connect());
+        // SAFETY: registers a plain extern "C" fn with no captured state.
+        // atexit runs handlers in reverse order, so this runs before the
+        // cluster daemons are stopped and before librados' own statics go.
+        unsafe { libc::atexit(shut_down_shared_connection) };
+    }
+    shared.as_ref().expect("set above").clone()
 }
 
 /// A unique name for this process and call.
