@@ -463,3 +463,43 @@ fn dropping_or_closing_an_image_with_requests_in_flight() {
     }
     assert!(in_flight_at_close > 0, "no request was in flight at close");
 }
+
+#[test]
+fn one_shared_buffer_feeds_many_writes_and_outlives_its_owner() {
+    let _g = exclusive();
+    let ns = TestNs::new("aioshared");
+    let img = new_image(&ns, "s", 16 * MIB);
+    let block: Arc<[u8]> = pattern(42, 64 << 10).into();
+    let futures: Vec<_> = (0..64u64)
+        .map(|i| img.aio_write_shared(i * (64 << 10), Arc::clone(&block)))
+        .collect();
+    // Only the requests still hold the buffer now.
+    let weak = Arc::downgrade(&block);
+    drop(block);
+    for r in block_on(join_all(futures)) {
+        r.unwrap();
+    }
+    wait_for_no_live_requests();
+    assert!(
+        weak.upgrade().is_none(),
+        "the last request freed the buffer"
+    );
+    let expect = pattern(42, 64 << 10);
+    for i in 0..64u64 {
+        let got = block_on(img.aio_read(i * (64 << 10), 64 << 10)).unwrap();
+        assert!(got == expect, "block {i} differs");
+    }
+    // librbd's AIO path would clip a write past the end and report success;
+    // rbdkit refuses it before submitting, and nothing is written.
+    let e = block_on(img.aio_write_shared(16 * MIB - 10, Arc::from(&[7u8; 20][..]))).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert!(e.to_string().contains("past the end"), "{e}");
+    let e = block_on(img.aio_write(16 * MIB - 10, vec![7u8; 20])).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    let tail = block_on(img.aio_read(16 * MIB - 10, 10)).unwrap();
+    assert_eq!(
+        tail,
+        vec![0u8; 10],
+        "the refused writes left the tail alone"
+    );
+}

@@ -141,6 +141,11 @@ enum Payload {
     None,
     /// Read into / written from.
     Buf(Vec<u8>),
+    /// Written from a buffer other requests (and the caller) may share;
+    /// librbd only reads it, and the `Arc` keeps it alive and unmoved.
+    Shared {
+        _data: Arc<[u8]>,
+    },
     /// Scatter/gather buffers and the iovecs pointing into them.
     Bufs(Vec<Vec<u8>>, IoVecs),
     /// Compare-and-write: the expected bytes and the new bytes.
@@ -492,6 +497,25 @@ fn check_range(image: &Image, op: &'static str, offset: u64, len: u64) -> Result
     Ok(())
 }
 
+/// Checks a write's range against the image size before submitting:
+/// librbd's AIO path silently clips a write that runs past the end and
+/// still reports success, so the check has to happen here. (A resize that
+/// races with the write can still clip it, as it would for any client.)
+fn check_write_range(image: &Image, op: &'static str, offset: u64, len: u64) -> Result<()> {
+    check_range(image, op, offset, len)?;
+    let size = image.size()?;
+    if offset + len > size {
+        return Err(crate::rbd::io::past_end(
+            op,
+            &image.spec(),
+            offset,
+            len,
+            size,
+        ));
+    }
+    Ok(())
+}
+
 impl Image {
     fn aio_start<T>(
         &self,
@@ -541,7 +565,7 @@ impl Image {
     /// (librbd may use it without copying).
     pub fn aio_write(&self, offset: u64, data: impl Into<Vec<u8>>) -> AioFuture<()> {
         let data: Vec<u8> = data.into();
-        if let Err(e) = check_range(self, "rbd_aio_write", offset, data.len() as u64) {
+        if let Err(e) = check_write_range(self, "rbd_aio_write", offset, data.len() as u64) {
             return self.aio_refused(e, finish_unit);
         }
         let (p, len) = (data.as_ptr(), data.len());
@@ -551,6 +575,29 @@ impl Image {
             // owned by the request until the completion fires.
             unsafe { sys::rbd_aio_write(raw, offset, len, p.cast(), c) }
         })
+    }
+
+    /// Writes a shared buffer at `offset`; the range must lie within the
+    /// image. The same `Arc<[u8]>` can be handed to any number of requests
+    /// at once with no copy on rbdkit's side, which is what repeated or
+    /// fan-out writes of large blocks want. Wraps `rbd_aio_write`.
+    pub fn aio_write_shared(&self, offset: u64, data: Arc<[u8]>) -> AioFuture<()> {
+        if let Err(e) = check_write_range(self, "rbd_aio_write", offset, data.len() as u64) {
+            return self.aio_refused(e, finish_unit);
+        }
+        let (p, len) = (data.as_ptr(), data.len());
+        let raw = self.raw();
+        self.aio_start(
+            "rbd_aio_write",
+            Payload::Shared { _data: data },
+            finish_unit,
+            |_, c| {
+                // SAFETY: the image is open; `p` is readable for `len` bytes: the
+                // request holds an `Arc` to the allocation until the completion
+                // fires, and no one can write through a shared `Arc<[u8]>`.
+                unsafe { sys::rbd_aio_write(raw, offset, len, p.cast(), c) }
+            },
+        )
     }
 
     /// Reads into several buffers in turn, starting at `offset`: each
@@ -580,7 +627,9 @@ impl Image {
     /// Takes 1 to 1024 buffers.
     pub fn aio_writev(&self, offset: u64, bufs: Vec<Vec<u8>>) -> AioFuture<()> {
         let total: u64 = bufs.iter().map(|b| b.len() as u64).sum();
-        if let Err(e) = check_iovecs(self, "rbd_aio_writev", offset, bufs.len(), total) {
+        if let Err(e) = check_iovecs(self, "rbd_aio_writev", offset, bufs.len(), total)
+            .and_then(|()| check_write_range(self, "rbd_aio_writev", offset, total))
+        {
             return self.aio_refused(e, finish_unit);
         }
         let (payload, p, n) = iovec_payload(bufs);
@@ -607,7 +656,7 @@ impl Image {
 
     /// Writes zeroes over a range. Wraps `rbd_aio_write_zeroes` (no flags).
     pub fn aio_write_zeroes(&self, offset: u64, len: usize) -> AioFuture<()> {
-        if let Err(e) = check_range(self, "rbd_aio_write_zeroes", offset, len as u64) {
+        if let Err(e) = check_write_range(self, "rbd_aio_write_zeroes", offset, len as u64) {
             return self.aio_refused(e, finish_unit);
         }
         let raw = self.raw();
@@ -653,7 +702,7 @@ impl Image {
             );
             return self.aio_refused(e, finish_cmpwrite);
         }
-        if let Err(e) = check_range(self, OP, offset, data.len() as u64) {
+        if let Err(e) = check_write_range(self, OP, offset, data.len() as u64) {
             return self.aio_refused(e, finish_cmpwrite);
         }
         let (cmp, buf, len) = (expected.as_ptr(), data.as_ptr(), data.len());

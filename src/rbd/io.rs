@@ -55,8 +55,16 @@ impl Image {
         let ret = unsafe { sys::rbd_write(self.raw(), offset, data.len(), data.as_ptr().cast()) };
         let n = self.cvt(ret, "rbd_write")?;
         if n as usize != data.len() {
-            return Err(Error::from_errno(libc::EIO, "rbd_write", self.spec())
-                .detail(format!("short write: {n} of {} bytes", data.len())));
+            return Err(Error::with_kind(
+                crate::ErrorKind::InvalidArgument,
+                libc::EINVAL,
+                "rbd_write",
+                self.spec(),
+                format!(
+                    "short write: {n} of {} bytes at offset {offset} (the range runs past the end of the image)",
+                    data.len()
+                ),
+            ));
         }
         Ok(())
     }
@@ -132,4 +140,15 @@ impl Image {
         self.cvt(ret, "rbd_invalidate_cache")?;
         Ok(())
     }
+}
+
+/// The error for a write whose range runs past the end of the image.
+pub(crate) fn past_end(op: &'static str, object: &str, offset: u64, len: u64, size: u64) -> Error {
+    Error::with_kind(
+        crate::ErrorKind::InvalidArgument,
+        libc::EINVAL,
+        op,
+        object,
+        format!("{len} bytes at offset {offset} run past the end of the image ({size} bytes)"),
+    )
 }
