@@ -21,6 +21,26 @@ pub(crate) extern "C" fn no_progress(
     0
 }
 
+/// Calls a function of the `(char *buf, size_t *len)` kind, growing the
+/// buffer while it answers `-ERANGE` (librbd then sets `*len` to the size it
+/// needs). Returns the buffer cut to the length the call reported.
+pub(crate) fn sized_buffer(
+    initial: usize,
+    op: &'static str,
+    object: &dyn Fn() -> String,
+    mut call: impl FnMut(*mut std::os::raw::c_char, &mut usize) -> i32,
+) -> Result<Vec<u8>> {
+    let mut used = 0usize;
+    let mut buf = with_growing_buffer(initial, op, object, |buf| {
+        let mut len = buf.len();
+        let ret = call(buf.as_mut_ptr().cast(), &mut len);
+        used = len;
+        (i64::from(ret), len)
+    })?;
+    buf.truncate(used.min(buf.len()));
+    Ok(buf)
+}
+
 /// Calls a librbd list function that fills an array of `T` and reports the
 /// count through its `size_t *` argument, growing the array while it answers
 /// `-ERANGE` with a larger count (up to `1 << 20` entries).

@@ -7,7 +7,7 @@ use rbd_sys as sys;
 
 use crate::error::{cvt, Result};
 use crate::rados::IoCtx;
-use crate::util::{cstr, fill_array, from_cstr, split_nul_list, with_growing_buffer};
+use crate::util::{cstr, fill_array, from_cstr, sized_buffer, split_nul_list};
 
 /// An image in a group, from `rbd_group_image_list`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -63,16 +63,12 @@ pub fn group_rename(io: &IoCtx, from: &str, to: &str) -> Result<()> {
 
 /// Lists the groups of the ioctx's pool and namespace. Wraps `rbd_group_list`.
 pub fn group_list(io: &IoCtx) -> Result<Vec<String>> {
-    let mut used = 0usize;
-    let buf = with_growing_buffer(1024, "rbd_group_list", &|| io.spec(), |buf| {
-        let mut len = buf.len();
-        // SAFETY: `buf` is writable for `len` bytes; librbd sets `len` to the
+    let buf = sized_buffer(1024, "rbd_group_list", &|| io.spec(), |p, len| {
+        // SAFETY: `p` is writable for `*len` bytes; librbd sets `*len` to the
         // size used (or needed, with -ERANGE).
-        let ret = unsafe { sys::rbd_group_list(io.raw(), buf.as_mut_ptr().cast(), &mut len) };
-        used = len;
-        (i64::from(ret), len)
+        unsafe { sys::rbd_group_list(io.raw(), p, len) }
     })?;
-    Ok(split_nul_list(&buf[..used.min(buf.len())]))
+    Ok(split_nul_list(&buf))
 }
 
 /// Adds an image to a group. Wraps `rbd_group_image_add`.

@@ -11,7 +11,9 @@ use crate::error::{cvt, Error, ErrorKind, Result};
 use crate::rados::IoCtx;
 use crate::rbd::options::ImageOptions;
 use crate::rbd::Features;
-use crate::util::{cstr, fill_array, from_cstr, no_progress, string_from_buf, with_growing_buffer};
+use crate::util::{
+    cstr, fill_array, from_cstr, no_progress, sized_buffer, string_from_buf, with_growing_buffer,
+};
 
 /// Creates an image of `size` bytes. Wraps `rbd_create4`.
 ///
@@ -426,12 +428,10 @@ impl Image {
 
     /// The image's current name. Wraps `rbd_get_name`.
     pub fn get_name(&self) -> Result<String> {
-        let buf = with_growing_buffer(128, "rbd_get_name", &|| self.spec(), |buf| {
-            let mut len = buf.len();
-            // SAFETY: `buf` is writable for `len` bytes; on -ERANGE librbd
-            // sets `len` to the size it needs.
-            let ret = unsafe { sys::rbd_get_name(self.raw, buf.as_mut_ptr().cast(), &mut len) };
-            (i64::from(ret), len)
+        let buf = sized_buffer(128, "rbd_get_name", &|| self.spec(), |p, len| {
+            // SAFETY: `p` is writable for `*len` bytes; on -ERANGE librbd
+            // sets `*len` to the size it needs.
+            unsafe { sys::rbd_get_name(self.raw, p, len) }
         })?;
         Ok(string_from_buf(&buf))
     }

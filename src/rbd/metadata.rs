@@ -6,7 +6,7 @@ use rbd_sys as sys;
 
 use crate::error::Result;
 use crate::rbd::Image;
-use crate::util::{cstr, split_nul_list, string_from_buf, with_growing_buffer};
+use crate::util::{cstr, sized_buffer, split_nul_list, string_from_buf};
 
 /// How many pairs one `rbd_metadata_list` round asks for.
 const PAGE: u64 = 256;
@@ -15,18 +15,14 @@ impl Image {
     /// Reads one metadata value. Wraps `rbd_metadata_get`.
     pub fn metadata_get(&self, key: &str) -> Result<String> {
         let k = cstr(key, "rbd_metadata_get", "metadata key")?;
-        let buf = with_growing_buffer(
+        let buf = sized_buffer(
             256,
             "rbd_metadata_get",
             &|| format!("{} key {key:?}", self.spec()),
-            |buf| {
-                let mut len = buf.len();
-                // SAFETY: `buf` is writable for `len` bytes; on -ERANGE librbd
-                // sets `len` to what it needs.
-                let ret = unsafe {
-                    sys::rbd_metadata_get(self.raw(), k.as_ptr(), buf.as_mut_ptr().cast(), &mut len)
-                };
-                (i64::from(ret), len)
+            |p, len| {
+                // SAFETY: `p` is writable for `*len` bytes; on -ERANGE librbd
+                // sets `*len` to what it needs.
+                unsafe { sys::rbd_metadata_get(self.raw(), k.as_ptr(), p, len) }
             },
         )?;
         Ok(string_from_buf(&buf))

@@ -5,7 +5,7 @@ use rbd_sys as sys;
 
 use crate::error::{cvt, Result};
 use crate::rados::IoCtx;
-use crate::util::{cstr, split_nul_list, with_growing_buffer};
+use crate::util::{cstr, sized_buffer, split_nul_list};
 
 /// Prepares a pool for RBD (tags it with the `rbd` application and creates
 /// the directory objects). Wraps `rbd_pool_init`.
@@ -52,45 +52,31 @@ pub fn namespace_exists(ioctx: &IoCtx, name: &str) -> Result<bool> {
 
 /// Lists the RBD namespaces of the ioctx's pool. Wraps `rbd_namespace_list`.
 pub fn namespace_list(ioctx: &IoCtx) -> Result<Vec<String>> {
-    let mut used = 0usize;
-    let buf = with_growing_buffer(
+    let buf = sized_buffer(
         1024,
         "rbd_namespace_list",
         &|| ioctx.pool_name().to_owned(),
-        |buf| {
-            let mut len = buf.len();
-            // SAFETY: `buf` is writable for `len` bytes; librbd sets `len` to the
+        |p, len| {
+            // SAFETY: `p` is writable for `*len` bytes; librbd sets `*len` to the
             // size used (or needed, with -ERANGE).
-            let ret =
-                unsafe { sys::rbd_namespace_list(ioctx.raw(), buf.as_mut_ptr().cast(), &mut len) };
-            used = len;
-            (i64::from(ret), len)
+            unsafe { sys::rbd_namespace_list(ioctx.raw(), p, len) }
         },
     )?;
-    Ok(split_nul_list(&buf[..used.min(buf.len())]))
+    Ok(split_nul_list(&buf))
 }
 
 /// Reads one pool-level RBD metadata value (pool-wide image defaults such as
 /// `conf_rbd_qos_iops_limit`). Wraps `rbd_pool_metadata_get`.
 pub fn pool_metadata_get(ioctx: &IoCtx, key: &str) -> Result<String> {
     let k = cstr(key, "rbd_pool_metadata_get", "metadata key")?;
-    let buf = with_growing_buffer(
+    let buf = sized_buffer(
         256,
         "rbd_pool_metadata_get",
         &|| format!("{} key {key:?}", ioctx.spec()),
-        |buf| {
-            let mut len = buf.len();
-            // SAFETY: `buf` is writable for `len` bytes; on -ERANGE librbd sets
-            // `len` to what it needs.
-            let ret = unsafe {
-                sys::rbd_pool_metadata_get(
-                    ioctx.raw(),
-                    k.as_ptr(),
-                    buf.as_mut_ptr().cast(),
-                    &mut len,
-                )
-            };
-            (i64::from(ret), len)
+        |p, len| {
+            // SAFETY: `p` is writable for `*len` bytes; on -ERANGE librbd sets
+            // `*len` to what it needs.
+            unsafe { sys::rbd_pool_metadata_get(ioctx.raw(), k.as_ptr(), p, len) }
         },
     )?;
     Ok(crate::util::string_from_buf(&buf))

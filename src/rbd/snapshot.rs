@@ -9,7 +9,7 @@ use rbd_sys as sys;
 use crate::error::{Error, ErrorKind, Result};
 use crate::rbd::image::to_system_time;
 use crate::rbd::Image;
-use crate::util::{cstr, from_cstr, no_progress, string_from_buf, with_growing_buffer};
+use crate::util::{cstr, from_cstr, no_progress, sized_buffer, string_from_buf};
 
 /// One snapshot, as `rbd_snap_list` reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -186,18 +186,14 @@ impl Image {
 
     /// The name of the snapshot with this id. Wraps `rbd_snap_get_name`.
     pub fn snap_name(&self, id: u64) -> Result<String> {
-        let buf = with_growing_buffer(
+        let buf = sized_buffer(
             64,
             "rbd_snap_get_name",
             &|| format!("{}@{id}", self.spec()),
-            |buf| {
-                let mut len = buf.len();
-                // SAFETY: `buf` is writable for `len` bytes; on -ERANGE librbd
-                // sets `len` to what it needs.
-                let ret = unsafe {
-                    sys::rbd_snap_get_name(self.raw(), id, buf.as_mut_ptr().cast(), &mut len)
-                };
-                (i64::from(ret), len)
+            |p, len| {
+                // SAFETY: `p` is writable for `*len` bytes; on -ERANGE librbd
+                // sets `*len` to what it needs.
+                unsafe { sys::rbd_snap_get_name(self.raw(), id, p, len) }
             },
         )?;
         Ok(string_from_buf(&buf))
