@@ -4,9 +4,7 @@
 //! protection controllers let both be deleted afterwards.
 #![cfg(feature = "service")]
 
-mod support {
-    pub mod k8s;
-}
+mod support;
 
 use std::fmt::Debug;
 use std::time::Duration;
@@ -19,24 +17,13 @@ use kube::{Api, Resource};
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
+use support::ceph::unique;
 use support::k8s::ControlPlane;
+use support::provisioner::from_json;
 
 const PROVISIONER: &str = "rbd.rbdkit.io";
 const PROVISIONER_ANNOTATION: &str = "volume.kubernetes.io/storage-provisioner";
 const WAIT: Duration = Duration::from_secs(60);
-
-/// A name no other test run uses.
-fn unique(prefix: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or_default();
-    format!("{prefix}-{}-{nanos:x}", std::process::id())
-}
-
-fn from_json<T: DeserializeOwned>(value: serde_json::Value) -> T {
-    serde_json::from_value(value).expect("test object does not deserialize")
-}
 
 /// Waits (bounded) until `cond` holds for the object `name`, and returns it;
 /// on timeout, panics showing the object as it is.
