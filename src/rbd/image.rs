@@ -498,45 +498,32 @@ impl Image {
 
     /// When the image was created. Wraps `rbd_get_create_timestamp`.
     pub fn create_timestamp(&self) -> Result<SystemTime> {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: `ts` is a valid out-struct; the header's `struct timespec`
-        // is libc's.
-        let ret = unsafe {
-            sys::rbd_get_create_timestamp(self.raw, (&mut ts as *mut libc::timespec).cast())
-        };
+        let (ret, t) = get_timestamp(|ts| {
+            // SAFETY: the image is open; `ts` points to a valid out-struct.
+            unsafe { sys::rbd_get_create_timestamp(self.raw, ts) }
+        });
         self.cvt(ret, "rbd_get_create_timestamp")?;
-        Ok(to_system_time(ts))
+        Ok(t)
     }
 
     /// When the image was last written. Wraps `rbd_get_modify_timestamp`.
     pub fn modify_timestamp(&self) -> Result<SystemTime> {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: as in `create_timestamp`.
-        let ret = unsafe {
-            sys::rbd_get_modify_timestamp(self.raw, (&mut ts as *mut libc::timespec).cast())
-        };
+        let (ret, t) = get_timestamp(|ts| {
+            // SAFETY: the image is open; `ts` points to a valid out-struct.
+            unsafe { sys::rbd_get_modify_timestamp(self.raw, ts) }
+        });
         self.cvt(ret, "rbd_get_modify_timestamp")?;
-        Ok(to_system_time(ts))
+        Ok(t)
     }
 
     /// When the image was last read. Wraps `rbd_get_access_timestamp`.
     pub fn access_timestamp(&self) -> Result<SystemTime> {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: as in `create_timestamp`.
-        let ret = unsafe {
-            sys::rbd_get_access_timestamp(self.raw, (&mut ts as *mut libc::timespec).cast())
-        };
+        let (ret, t) = get_timestamp(|ts| {
+            // SAFETY: the image is open; `ts` points to a valid out-struct.
+            unsafe { sys::rbd_get_access_timestamp(self.raw, ts) }
+        });
         self.cvt(ret, "rbd_get_access_timestamp")?;
-        Ok(to_system_time(ts))
+        Ok(t)
     }
 
     /// Operation features (`RBD_OPERATION_FEATURE_*`: clone parent/child,
@@ -662,10 +649,15 @@ impl Drop for Image {
     }
 }
 
-pub(crate) fn to_system_time(ts: libc::timespec) -> SystemTime {
-    UNIX_EPOCH
+/// Calls a librbd getter that fills a `struct timespec`; returns the C
+/// return value and the time it filled in (meaningful when that is >= 0).
+pub(crate) fn get_timestamp(call: impl FnOnce(*mut sys::timespec) -> i32) -> (i32, SystemTime) {
+    let mut ts = sys::timespec::default();
+    let ret = call(&mut ts);
+    let t = UNIX_EPOCH
         + Duration::new(
             ts.tv_sec.max(0) as u64,
             ts.tv_nsec.clamp(0, 999_999_999) as u32,
-        )
+        );
+    (ret, t)
 }

@@ -7,7 +7,7 @@ use std::time::SystemTime;
 use rbd_sys as sys;
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::rbd::image::to_system_time;
+use crate::rbd::image::get_timestamp;
 use crate::rbd::Image;
 use crate::util::{cstr, from_cstr, no_progress, sized_buffer, string_from_buf};
 
@@ -201,19 +201,14 @@ impl Image {
 
     /// When the snapshot was taken. Wraps `rbd_snap_get_timestamp`.
     pub fn snap_timestamp(&self, id: u64) -> Result<SystemTime> {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: the image is open; `ts` is a valid out-struct (the header's
-        // `struct timespec` is libc's).
-        let ret = unsafe {
-            sys::rbd_snap_get_timestamp(self.raw(), id, (&mut ts as *mut libc::timespec).cast())
-        };
+        let (ret, t) = get_timestamp(|ts| {
+            // SAFETY: the image is open; `ts` points to a valid out-struct.
+            unsafe { sys::rbd_snap_get_timestamp(self.raw(), id, ts) }
+        });
         crate::error::cvt(ret, "rbd_snap_get_timestamp", || {
             format!("{}@{id}", self.spec())
         })?;
-        Ok(to_system_time(ts))
+        Ok(t)
     }
 
     /// The most snapshots the image may have. Wraps `rbd_snap_get_limit`.
