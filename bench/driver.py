@@ -26,7 +26,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 RESULTS = BENCH / "results"
-CACHE = REPO / ".cache" / "bench"
+CACHE = Path(os.environ.get("RBDKIT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "rbdkit") / "bench"
 POOL = "rbd"
 GiB = 1 << 30
 MiB = 1 << 20

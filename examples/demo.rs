@@ -23,10 +23,10 @@ use kube::{Api, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
-use rbdkit::provisioner::pv::VolumeId;
-use rbdkit::provisioner::volume::owner_metadata;
 use rbdkit::rados::{Cluster, ConnectOptions};
 use rbdkit::rbd::{self, Image};
+use rbdkit::volume::ops::owner_metadata;
+use rbdkit::volume::VolumeId;
 
 #[derive(Parser)]
 struct Args {

@@ -49,7 +49,11 @@ pub mod cli;
 #[cfg(feature = "service")]
 pub mod k8s;
 #[cfg(feature = "service")]
+pub mod node;
+#[cfg(feature = "service")]
 pub mod provisioner;
+#[cfg(feature = "service")]
+pub mod volume;
 
 pub use error::{Error, ErrorKind, Result};
 

@@ -10,14 +10,14 @@ use std::time::{Duration, Instant};
 use prometheus_client::registry::Registry;
 
 use rbdkit::blocking::BlockingPool;
-use rbdkit::provisioner::clusters::{ClusterInfo, Connections, Credentials};
 use rbdkit::provisioner::metrics::Metrics;
-use rbdkit::provisioner::pv::VolumeId;
-use rbdkit::provisioner::volume::{
-    delete_image, ensure_image, expand_image, Deleted, Owner, VolumeError, TEMP_SUFFIX,
-};
 use rbdkit::rados::Secret;
 use rbdkit::rbd::{self, Image, ImageOptions};
+use rbdkit::volume::clusters::{ClusterInfo, Connections, Credentials};
+use rbdkit::volume::ops::{
+    delete_image, ensure_image, expand_image, Deleted, Owner, VolumeError, TEMP_SUFFIX,
+};
+use rbdkit::volume::VolumeId;
 use rbdkit::{Error, ErrorKind};
 
 use support::ceph::{cluster, TestCluster, TestNs, POOL};
@@ -47,7 +47,7 @@ async fn connections_are_shared_counted_reaped_and_rebuilt() {
         BlockingPool::new(2),
         Duration::from_secs(10),
         Duration::from_secs(30),
-        metrics(),
+        std::sync::Arc::new(metrics()),
     );
     let a = conns.get(&info(), &admin()).await.unwrap();
     let b = conns.get(&info(), &admin()).await.unwrap();
@@ -107,7 +107,7 @@ async fn a_dead_cluster_fails_in_bounded_time() {
         BlockingPool::new(2),
         Duration::from_secs(3),
         Duration::from_secs(3),
-        metrics(),
+        std::sync::Arc::new(metrics()),
     );
     let t = Instant::now();
     let e = tokio::time::timeout(Duration::from_secs(30), conns.get(&dead, &admin()))

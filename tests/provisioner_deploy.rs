@@ -20,10 +20,10 @@ use kube::Api;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
-use rbdkit::provisioner::clusters::ClustersConfig;
-use rbdkit::provisioner::params::ClassParams;
 use rbdkit::provisioner::ProvisionerArgs;
 use rbdkit::rbd::Image;
+use rbdkit::volume::clusters::ClustersConfig;
+use rbdkit::volume::params::ClassParams;
 
 use support::provisioner::{eventually, Env, WAIT};
 

@@ -14,8 +14,9 @@ use kube::Api;
 use serde_json::json;
 
 use rbdkit::k8s::quantity::MIB;
-use rbdkit::provisioner::pv::{VolumeId, PROVISIONED_BY, PV_FINALIZER};
+use rbdkit::provisioner::pv::{PROVISIONED_BY, PV_FINALIZER};
 use rbdkit::rbd::{self, Features, Image};
+use rbdkit::volume::VolumeId;
 
 use support::provisioner::{eventually, http_get, stays, Env, WAIT};
 
@@ -104,7 +105,7 @@ async fn provisions_a_claim_and_deletes_it_with_its_image() {
         "{features}"
     );
     assert!(!features.contains(Features::OBJECT_MAP), "{features}");
-    let owner = rbdkit::provisioner::volume::owner_metadata(&image).unwrap();
+    let owner = rbdkit::volume::ops::owner_metadata(&image).unwrap();
     assert_eq!(owner["rbdkit.provisioner"], env.name);
     assert_eq!(owner["rbdkit.pv"], pv_name);
     assert_eq!(owner["rbdkit.pvc.namespace"], env.ns);

@@ -29,16 +29,17 @@ use crate::blocking::BlockingPool;
 use crate::k8s::backoff::{FailureCounts, RateLimiter};
 use crate::k8s::events::Events;
 use crate::k8s::quantity::{bytes_quantity, parse_bytes, round_up_mib, MIB};
-use crate::provisioner::clusters::{ClustersFile, Conn, Connections};
 use crate::provisioner::metrics::Metrics;
-use crate::provisioner::params::{check_access, ClassParams, SecretRef, TemplateContext};
 use crate::provisioner::pv::{
     build_pv, claim_access_modes, claim_volume_mode, deletion_secret, expand_secret, our_volume,
-    pv_name_for, PvInput, VolumeId, PV_FINALIZER,
+    pv_name_for, PvInput, PV_FINALIZER,
 };
 use crate::provisioner::secrets;
-use crate::provisioner::volume::{self, Deleted, Owner, VolumeError};
 use crate::rados::Cluster;
+use crate::volume::clusters::{ClustersFile, Conn, Connections};
+use crate::volume::ops::{self, Deleted, Owner, VolumeError};
+use crate::volume::params::{check_access, ClassParams, SecretRef, TemplateContext};
+use crate::volume::VolumeId;
 
 /// Finalizer on a claim while its image may exist without a PV.
 pub const CLAIM_FINALIZER: &str = "rbdkit.io/provisioning-protection";
@@ -395,8 +396,8 @@ impl From<kube::Error> for Failure {
     }
 }
 
-impl From<crate::provisioner::params::ParamError> for Failure {
-    fn from(e: crate::provisioner::params::ParamError) -> Self {
+impl From<crate::volume::params::ParamError> for Failure {
+    fn from(e: crate::volume::params::ParamError) -> Self {
         Failure { why: e.to_string() }
     }
 }
@@ -564,7 +565,7 @@ async fn provision_steps(
     let vol_c = vol.clone();
     let created = ctx
         .ceph(&conn, move |c, m| {
-            volume::ensure_image(c, m, &vol_c, size, &options, &owner)
+            ops::ensure_image(c, m, &vol_c, size, &options, &owner)
         })
         .await
         .map_err(|e| format!("cannot create image {vol}: {e}"))?;
@@ -694,7 +695,7 @@ async fn cleanup_image(
     let vol_c = vol.clone();
     let outcome = ctx
         .ceph(&conn, move |c, m| {
-            volume::delete_image(c, m, &vol_c, &provisioner, &pv)
+            ops::delete_image(c, m, &vol_c, &provisioner, &pv)
         })
         .await
         .map_err(|e| format!("cannot remove image {vol} of deleted claim: {e}"))?;
@@ -847,7 +848,7 @@ async fn expand_steps(
     let pv_c = pv_name.clone();
     let resized = ctx
         .ceph(&conn, move |c, m| {
-            volume::expand_image(c, m, &vol_c, &provisioner, &pv_c, new_size)
+            ops::expand_image(c, m, &vol_c, &provisioner, &pv_c, new_size)
         })
         .await;
     drop(conn);
@@ -1025,7 +1026,7 @@ async fn delete_steps(
     let pv_name = pv.name_any();
     let vol_c = vol.clone();
     ctx.ceph(&conn, move |c, m| {
-        volume::delete_image(c, m, &vol_c, &provisioner, &pv_name)
+        ops::delete_image(c, m, &vol_c, &provisioner, &pv_name)
     })
     .await
     .map_err(|e| format!("cannot delete image {vol}: {e}"))

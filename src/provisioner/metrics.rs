@@ -197,6 +197,15 @@ impl Metrics {
     }
 }
 
+impl crate::volume::CephObserver for Metrics {
+    fn ceph_op(&self, op: &str, started: Instant) {
+        Metrics::ceph_op(self, op, started);
+    }
+    fn set_connections(&self, n: usize) {
+        Metrics::set_connections(self, n);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

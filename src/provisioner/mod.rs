@@ -6,21 +6,19 @@
 //! controller do for RBD, with every Ceph call made through this crate.
 //!
 //! Layout:
-//! - [`params`]: StorageClass parameters, validated;
-//! - [`pv`]: the PV built for a claim, and the volume handle;
-//! - [`clusters`]: the ceph-csi clusters config and the connection cache;
+//! - [`pv`]: the PV built for a claim;
 //! - [`secrets`]: cephx credentials from Secrets;
-//! - [`volume`]: the Ceph operations, with ownership checks;
 //! - [`controller`]: the reconcilers;
 //! - [`metrics`]: Prometheus metrics.
+//!
+//! Parameters, the volume handle, the clusters config and the Ceph
+//! operations themselves are in [`crate::volume`], shared with the CSI
+//! controller.
 
-pub mod clusters;
 pub mod controller;
 pub mod metrics;
-pub mod params;
 pub mod pv;
 pub mod secrets;
-pub mod volume;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -42,9 +40,9 @@ use crate::k8s::events::Events;
 use crate::k8s::health::Health;
 use crate::k8s::leader::{lease_name_for, LeaderElector, Timing};
 use crate::k8s::telemetry::{self, LogFormat};
-use crate::provisioner::clusters::{ClustersFile, Connections};
 use crate::provisioner::controller::Context;
 use crate::provisioner::metrics::Metrics;
+use crate::volume::clusters::{ClustersFile, Connections};
 
 /// Command-line arguments of `rbdkit provisioner`.
 #[derive(Debug, Clone, clap::Args)]
@@ -195,7 +193,7 @@ pub async fn run_until(
         pool.clone(),
         args.ceph_connect_timeout.into(),
         args.ceph_op_timeout.into(),
-        metrics.clone(),
+        Arc::new(metrics.clone()),
     ));
     let identity = args
         .leader_election_identity

@@ -7,9 +7,9 @@
 use k8s_openapi::api::core::v1::Secret as K8sSecret;
 use kube::Api;
 
-use crate::provisioner::clusters::Credentials;
-use crate::provisioner::params::SecretRef;
 use crate::rados::Secret;
+use crate::volume::clusters::Credentials;
+use crate::volume::params::SecretRef;
 
 /// The Secret key holding the cephx user id.
 pub const USER_ID: &str = "userID";

@@ -17,10 +17,9 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use crate::provisioner::metrics::Metrics;
-use crate::provisioner::pv::VolumeId;
 use crate::rados::{Cluster, IoCtx};
 use crate::rbd::{self, Image, ImageOptions};
+use crate::volume::{CephObserver, VolumeId};
 use crate::{Error, ErrorKind};
 
 /// Metadata key: the provisioner that made the image.
@@ -153,14 +152,18 @@ impl VolumeError {
 }
 
 /// Times one Ceph call into `rbdkit_ceph_op_duration_seconds`.
-fn timed<T>(metrics: &Metrics, op: &str, f: impl FnOnce() -> crate::Result<T>) -> crate::Result<T> {
+fn timed<T>(
+    metrics: &dyn CephObserver,
+    op: &str,
+    f: impl FnOnce() -> crate::Result<T>,
+) -> crate::Result<T> {
     let started = Instant::now();
     let out = f();
     metrics.ceph_op(op, started);
     out
 }
 
-fn ioctx(cluster: &Cluster, metrics: &Metrics, vol: &VolumeId) -> crate::Result<IoCtx> {
+fn ioctx(cluster: &Cluster, metrics: &dyn CephObserver, vol: &VolumeId) -> crate::Result<IoCtx> {
     timed(metrics, "ioctx", || {
         cluster.ioctx_ns(&vol.pool, &vol.rados_namespace)
     })
@@ -169,7 +172,7 @@ fn ioctx(cluster: &Cluster, metrics: &Metrics, vol: &VolumeId) -> crate::Result<
 /// Checks an image's owner record against `provisioner` and `pv_name`.
 fn check_owner(
     image: &Image,
-    metrics: &Metrics,
+    metrics: &dyn CephObserver,
     provisioner: &str,
     pv_name: &str,
 ) -> Result<(), VolumeError> {
@@ -192,7 +195,7 @@ fn check_owner(
 /// bytes; creates it if needed. Returns its size.
 pub fn ensure_image(
     cluster: &Cluster,
-    metrics: &Metrics,
+    metrics: &dyn CephObserver,
     vol: &VolumeId,
     size: u64,
     options: &ImageOptions,
@@ -232,7 +235,7 @@ pub fn ensure_image(
 /// again. The temporary name derives from the claim's uid, so it is ours.
 fn create_temp(
     io: &IoCtx,
-    metrics: &Metrics,
+    metrics: &dyn CephObserver,
     temp: &str,
     size: u64,
     options: &ImageOptions,
@@ -263,7 +266,11 @@ fn create_temp(
     }
 }
 
-fn open_if_exists(io: &IoCtx, metrics: &Metrics, name: &str) -> Result<Option<Image>, VolumeError> {
+fn open_if_exists(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    name: &str,
+) -> Result<Option<Image>, VolumeError> {
     match timed(metrics, "open", || Image::open_read_only(io, name)) {
         Ok(img) => Ok(Some(img)),
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(None),
@@ -287,7 +294,7 @@ pub enum Deleted {
 /// [`VolumeError::InUse`] error to retry later.
 pub fn delete_image(
     cluster: &Cluster,
-    metrics: &Metrics,
+    metrics: &dyn CephObserver,
     vol: &VolumeId,
     provisioner: &str,
     pv_name: &str,
@@ -369,7 +376,7 @@ pub fn delete_image(
     Ok(outcome)
 }
 
-fn has_snapshots_or_children(io: &IoCtx, metrics: &Metrics, name: &str) -> bool {
+fn has_snapshots_or_children(io: &IoCtx, metrics: &dyn CephObserver, name: &str) -> bool {
     match timed(metrics, "open", || Image::open_read_only(io, name)) {
         Ok(img) => {
             img.snap_list().map(|s| !s.is_empty()).unwrap_or(false)
@@ -379,7 +386,7 @@ fn has_snapshots_or_children(io: &IoCtx, metrics: &Metrics, name: &str) -> bool 
     }
 }
 
-fn purge(io: &IoCtx, metrics: &Metrics, name: &str, id: &str) -> Result<(), VolumeError> {
+fn purge(io: &IoCtx, metrics: &dyn CephObserver, name: &str, id: &str) -> Result<(), VolumeError> {
     match timed(metrics, "trash_remove", || rbd::trash_remove(io, id, true)) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
@@ -397,7 +404,7 @@ fn purge(io: &IoCtx, metrics: &Metrics, name: &str, id: &str) -> Result<(), Volu
 /// size. A smaller `size` than the image has is refused.
 pub fn expand_image(
     cluster: &Cluster,
-    metrics: &Metrics,
+    metrics: &dyn CephObserver,
     vol: &VolumeId,
     provisioner: &str,
     pv_name: &str,

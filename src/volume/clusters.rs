@@ -27,8 +27,8 @@ use std::time::{Duration, Instant};
 use serde::Deserialize;
 
 use crate::blocking::BlockingPool;
-use crate::provisioner::metrics::Metrics;
 use crate::rados::{Cluster, ConnectOptions, Secret};
+use crate::volume::CephObserver;
 use crate::{Error, ErrorKind};
 
 /// One cluster of the clusters config.
@@ -293,7 +293,7 @@ pub struct Connections {
     slots: Mutex<HashMap<ConnKey, Arc<Slot>>>,
     connect_timeout: Duration,
     op_timeout: Duration,
-    metrics: Metrics,
+    metrics: Arc<dyn CephObserver>,
 }
 
 impl std::fmt::Debug for Connections {
@@ -310,7 +310,7 @@ impl Connections {
         pool: BlockingPool,
         connect_timeout: Duration,
         op_timeout: Duration,
-        metrics: Metrics,
+        metrics: Arc<dyn CephObserver>,
     ) -> Connections {
         Connections {
             pool,

@@ -1,0 +1,67 @@
+//! The node side of the CSI driver: block devices, filesystems and mounts.
+//!
+//! A [`Mapper`] turns an RBD image into a local block device; the rest of
+//! the node side (mounts, mkfs, growing a filesystem) works on that device
+//! and does not care how it was made. Everything here is blocking and
+//! idempotent: each call checks what is already there before acting, so a
+//! repeat after a crash at any point converges.
+//!
+//! Errors are the library's [`crate::Error`]: the op names the syscall or
+//! tool (`mount`, `ioctl(LOOP_CONFIGURE)`, `mkfs.xfs`) and the object the
+//! path or image it concerned.
+
+use std::path::{Path, PathBuf};
+
+use crate::rados::Secret;
+
+/// What to map: where the image is, as whom, and how.
+#[derive(Debug, Clone)]
+pub struct MapSpec {
+    /// The CSI volume id: the stable key of the mapping.
+    pub volume_id: String,
+    /// Monitor addresses (`host:port`), from the clusters config.
+    pub monitors: Vec<String>,
+    /// The cephx user, without the `client.` prefix.
+    pub user: String,
+    /// The cephx key. Never put in argv, the environment or a log.
+    pub key: Secret,
+    /// The pool.
+    pub pool: String,
+    /// The RADOS namespace (empty for the default one).
+    pub namespace: String,
+    /// The image.
+    pub image: String,
+    /// Map this snapshot instead of the head (always read-only).
+    pub snapshot: Option<String>,
+    /// Map read-only.
+    pub read_only: bool,
+    /// This mapper's options from the `mapOptions` parameter.
+    pub options: Vec<String>,
+}
+
+/// A way to turn an RBD image into a block device on this node.
+///
+/// The `mounter` StorageClass parameter picks one by [`Mapper::name`].
+pub trait Mapper: Send + Sync {
+    /// The name the `mounter` parameter uses (`krbd`, `rbdkit-fuse`).
+    fn name(&self) -> &'static str;
+
+    /// Maps the image and returns its block device. If `spec.volume_id` is
+    /// already mapped, returns that device instead of mapping it again.
+    fn map(&self, spec: &MapSpec) -> crate::Result<PathBuf>;
+
+    /// The device `volume_id` is mapped to now, if any.
+    fn find(&self, volume_id: &str) -> crate::Result<Option<PathBuf>>;
+
+    /// Unmaps `volume_id`. Succeeds when it is not mapped. `options` are
+    /// this mapper's options from `unmapOptions`.
+    fn unmap(&self, volume_id: &str, options: &[String]) -> crate::Result<()>;
+
+    /// Makes the device of `volume_id` see the image's current size (after
+    /// the controller grew it) and returns that size in bytes.
+    fn refresh_size(&self, volume_id: &str) -> crate::Result<u64>;
+
+    /// Whether the mapping of `volume_id` still serves I/O; the error says
+    /// why not, for the VolumeCondition.
+    fn check(&self, volume_id: &str, device: &Path) -> Result<(), String>;
+}

@@ -1,0 +1,126 @@
+//! The volume handle: which cluster, pool, namespace and image a volume is.
+//!
+//! The same handle is the PV's `volumeHandle` and the CSI `volume_id`, so
+//! the provisioner and the CSI driver can each work on the other's volumes.
+
+use std::fmt;
+
+/// Version tag at the start of every volume handle this code writes.
+const HANDLE_VERSION: &str = "rbdkit1";
+
+/// Where an image lives: cluster, pool, RADOS namespace and name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct VolumeId {
+    /// The clusters-config entry.
+    pub cluster_id: String,
+    /// The pool.
+    pub pool: String,
+    /// The RADOS namespace (empty for the default one).
+    pub rados_namespace: String,
+    /// The image name.
+    pub image: String,
+}
+
+impl fmt::Display for VolumeId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.rados_namespace.is_empty() {
+            write!(f, "{}:{}/{}", self.cluster_id, self.pool, self.image)
+        } else {
+            write!(
+                f,
+                "{}:{}/{}/{}",
+                self.cluster_id, self.pool, self.rados_namespace, self.image
+            )
+        }
+    }
+}
+
+impl VolumeId {
+    /// The `volumeHandle`: `rbdkit1/<cluster>/<pool>/<namespace>/<image>`,
+    /// each part with `%` and `/` percent-encoded.
+    pub fn handle(&self) -> String {
+        format!(
+            "{HANDLE_VERSION}/{}/{}/{}/{}",
+            escape(&self.cluster_id),
+            escape(&self.pool),
+            escape(&self.rados_namespace),
+            escape(&self.image)
+        )
+    }
+
+    /// Reads a handle made by [`VolumeId::handle`].
+    pub fn parse(handle: &str) -> Result<VolumeId, String> {
+        let parts: Vec<&str> = handle.split('/').collect();
+        match parts.as_slice() {
+            [HANDLE_VERSION, cluster, pool, ns, image] => {
+                let id = VolumeId {
+                    cluster_id: unescape(cluster)?,
+                    pool: unescape(pool)?,
+                    rados_namespace: unescape(ns)?,
+                    image: unescape(image)?,
+                };
+                if id.cluster_id.is_empty() || id.pool.is_empty() || id.image.is_empty() {
+                    return Err(format!("volume handle {handle:?} has an empty part"));
+                }
+                Ok(id)
+            }
+            _ => Err(format!(
+                "volume handle {handle:?} is not {HANDLE_VERSION}/cluster/pool/namespace/image"
+            )),
+        }
+    }
+}
+
+fn escape(s: &str) -> String {
+    s.replace('%', "%25").replace('/', "%2F")
+}
+
+fn unescape(s: &str) -> Result<String, String> {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(i) = rest.find('%') {
+        out.push_str(&rest[..i]);
+        match rest.get(i + 1..i + 3) {
+            Some("25") => out.push('%'),
+            Some("2F") | Some("2f") => out.push('/'),
+            _ => return Err(format!("bad escape in volume handle part {s:?}")),
+        }
+        rest = &rest[i + 3..];
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn volume_handles_round_trip() {
+        let id = VolumeId {
+            cluster_id: "fsid-1".into(),
+            pool: "rbd".into(),
+            rados_namespace: "".into(),
+            image: "pvc-1".into(),
+        };
+        assert_eq!(id.handle(), "rbdkit1/fsid-1/rbd//pvc-1");
+        assert_eq!(VolumeId::parse(&id.handle()).unwrap(), id);
+        let odd = VolumeId {
+            cluster_id: "a/b%c".into(),
+            pool: "p%2F".into(),
+            rados_namespace: "ns/1".into(),
+            image: "i".into(),
+        };
+        assert_eq!(VolumeId::parse(&odd.handle()).unwrap(), odd);
+        for bad in [
+            "",
+            "rbdkit1/a/b/c",
+            "rbdkit2/a/b/c/d",
+            "rbdkit1/a/b/c/d/e",
+            "rbdkit1//b/c/d",
+            "rbdkit1/a/b/c/%zz",
+        ] {
+            assert!(VolumeId::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+}

@@ -1,0 +1,40 @@
+//! Volume operations shared by the provisioner and the CSI controller.
+//!
+//! Both front ends turn a request (a claim, or a CSI `CreateVolume`) into
+//! the same calls here, so an image made by one can be deleted or expanded
+//! by the other:
+//! - [`params`]: StorageClass / CSI parameters, validated;
+//! - [`id`]: the volume handle (`rbdkit1/cluster/pool/namespace/image`);
+//! - [`clusters`]: the ceph-csi clusters config and the connection cache;
+//! - [`ops`]: create, delete and expand, with ownership checks.
+//!
+//! Nothing here knows about Kubernetes objects; callers pass plain values.
+
+pub mod clusters;
+pub mod id;
+pub mod ops;
+pub mod params;
+
+use std::time::Instant;
+
+pub use id::VolumeId;
+
+/// Where the volume operations report what they did, for metrics.
+///
+/// The provisioner and the CSI server each implement it on their own
+/// metrics; [`NoMetrics`] discards everything.
+pub trait CephObserver: Send + Sync {
+    /// One Ceph call named `op` that started at `started` has finished.
+    fn ceph_op(&self, op: &str, started: Instant);
+    /// The connection cache now holds `n` connections.
+    fn set_connections(&self, n: usize);
+}
+
+/// A [`CephObserver`] that records nothing.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoMetrics;
+
+impl CephObserver for NoMetrics {
+    fn ceph_op(&self, _op: &str, _started: Instant) {}
+    fn set_connections(&self, _n: usize) {}
+}
