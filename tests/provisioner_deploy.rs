@@ -152,12 +152,10 @@ fn manifests_parse_and_agree_with_the_provisioner() {
     let params = ClassParams::parse(&class.parameters.clone().unwrap()).unwrap();
     assert!(config.get(&params.cluster_id).is_some());
     let secret: Secret = one(&docs, "Secret");
+    let prov_secret = params.provisioner_secret.as_ref().unwrap();
+    assert_eq!(prov_secret.name, secret.metadata.name.clone().unwrap());
     assert_eq!(
-        params.provisioner_secret.name,
-        secret.metadata.name.clone().unwrap()
-    );
-    assert_eq!(
-        params.provisioner_secret.namespace,
+        prov_secret.namespace,
         secret.metadata.namespace.clone().unwrap()
     );
     let data = secret.string_data.unwrap();

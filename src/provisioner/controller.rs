@@ -504,7 +504,11 @@ async fn provision_steps(
         pvc_name: &claim_name,
         pvc_annotations: claim.metadata.annotations.as_ref().unwrap_or(&empty),
     };
-    let prov_secret = params.provisioner_secret.resolve(&tctx)?;
+    let prov_secret = params
+        .provisioner_secret
+        .as_ref()
+        .ok_or("the StorageClass names no provisioner Secret")?
+        .resolve(&tctx)?;
     let expand_secret = match &params.expand_secret {
         Some(t) => t.resolve(&tctx)?,
         None => prov_secret.clone(),

@@ -85,21 +85,7 @@ fn secret_reference(s: &SecretRef) -> SecretReference {
 pub fn build_pv(input: &PvInput<'_>) -> PersistentVolume {
     let claim = input.claim;
     let volume_mode = claim_volume_mode(claim);
-    let mut attributes = BTreeMap::new();
-    attributes.insert("clusterID".to_owned(), input.volume.cluster_id.clone());
-    attributes.insert("pool".to_owned(), input.volume.pool.clone());
-    attributes.insert("imageName".to_owned(), input.volume.image.clone());
-    attributes.insert(
-        "radosNamespace".to_owned(),
-        input.volume.rados_namespace.clone(),
-    );
-    attributes.insert(
-        "imageFeatures".to_owned(),
-        input.params.features.to_string(),
-    );
-    if let Some(dp) = &input.params.data_pool {
-        attributes.insert("dataPool".to_owned(), dp.clone());
-    }
+    let attributes = crate::volume::volume_context(input.volume, input.params);
 
     let mut annotations = BTreeMap::new();
     annotations.insert(PROVISIONED_BY.to_owned(), input.provisioner.to_owned());

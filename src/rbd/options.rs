@@ -26,6 +26,7 @@ pub struct ImageOptions {
     stripe_unit: Option<u64>,
     stripe_count: Option<u64>,
     data_pool: Option<String>,
+    journal_pool: Option<String>,
     clone_format: Option<u64>,
 }
 
@@ -87,6 +88,13 @@ impl ImageOptions {
         self
     }
 
+    /// The pool for the image's journal (`RBD_IMAGE_OPTION_JOURNAL_POOL`),
+    /// used only with the `journaling` feature.
+    pub fn journal_pool(mut self, pool: impl Into<String>) -> Self {
+        self.journal_pool = Some(pool.into());
+        self
+    }
+
     /// Clone format for [`crate::rbd::clone`]: 1 (the parent snapshot must be
     /// protected) or 2 (no protection needed; needs Mimic or newer clients).
     pub fn clone_format(mut self, format: u8) -> Result<Self> {
@@ -135,18 +143,26 @@ impl ImageOptions {
         if let Some(f) = self.clone_format {
             set_u64(sys::RBD_IMAGE_OPTION_CLONE_FORMAT, f)?;
         }
-        if let Some(p) = &self.data_pool {
-            let v = CString::new(p.as_str())
-                .map_err(|_| Error::invalid(op, object, "data pool name contains a NUL byte"))?;
-            // SAFETY: `raw.0` is live; RBD_IMAGE_OPTION_DATA_POOL is a string
-            // option and librbd copies the value.
-            let ret = unsafe {
-                sys::rbd_image_options_set_string(
-                    raw.0,
-                    sys::RBD_IMAGE_OPTION_DATA_POOL as i32,
-                    v.as_ptr(),
-                )
-            };
+        let pools = [
+            (
+                sys::RBD_IMAGE_OPTION_DATA_POOL,
+                &self.data_pool,
+                "data pool",
+            ),
+            (
+                sys::RBD_IMAGE_OPTION_JOURNAL_POOL,
+                &self.journal_pool,
+                "journal pool",
+            ),
+        ];
+        for (opt, pool, what) in pools {
+            let Some(p) = pool else { continue };
+            let v = CString::new(p.as_str()).map_err(|_| {
+                Error::invalid(op, object, format!("{what} name contains a NUL byte"))
+            })?;
+            // SAFETY: `raw.0` is live; the data and journal pool options are
+            // string options (librbd.h) and librbd copies the value.
+            let ret = unsafe { sys::rbd_image_options_set_string(raw.0, opt as i32, v.as_ptr()) };
             cvt(ret, op, || object.to_owned())?;
         }
         Ok(raw)

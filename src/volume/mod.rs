@@ -15,9 +15,33 @@ pub mod id;
 pub mod ops;
 pub mod params;
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 pub use id::VolumeId;
+
+use params::ClassParams;
+
+/// The volume attributes (CSI volume context) of a volume: where the image
+/// is, what it was made with, and what the node needs to stage it. The
+/// provisioner puts them on the PV; the CSI controller returns them from
+/// `CreateVolume`. Never holds a secret.
+pub fn volume_context(vol: &VolumeId, params: &ClassParams) -> BTreeMap<String, String> {
+    let mut ctx = BTreeMap::from([
+        ("clusterID".to_owned(), vol.cluster_id.clone()),
+        ("pool".to_owned(), vol.pool.clone()),
+        ("imageName".to_owned(), vol.image.clone()),
+        ("radosNamespace".to_owned(), vol.rados_namespace.clone()),
+        ("imageFeatures".to_owned(), params.features.to_string()),
+    ]);
+    if let Some(dp) = &params.data_pool {
+        ctx.insert("dataPool".to_owned(), dp.clone());
+    }
+    for (k, v) in params.node.attributes() {
+        ctx.insert(k.to_owned(), v);
+    }
+    ctx
+}
 
 /// Where the volume operations report what they did, for metrics.
 ///

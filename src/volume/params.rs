@@ -42,6 +42,56 @@ pub const NODE_STAGE_SECRET_NAME: &str = "csi.storage.k8s.io/node-stage-secret-n
 /// Node-stage secret namespace.
 pub const NODE_STAGE_SECRET_NAMESPACE: &str = "csi.storage.k8s.io/node-stage-secret-namespace";
 
+/// `mounter`: how the node maps the image (`rbd`/`krbd`, `rbdkit-fuse`).
+pub const MOUNTER: &str = "mounter";
+/// `mapOptions`: map options, in ceph-csi's `krbd:a,b;rbdkit-fuse:c` form.
+pub const MAP_OPTIONS: &str = "mapOptions";
+/// `unmapOptions`: unmap options, in the same form.
+pub const UNMAP_OPTIONS: &str = "unmapOptions";
+/// `mkfsOptions`: options for mkfs, split on white space.
+pub const MKFS_OPTIONS: &str = "mkfsOptions";
+/// `tryOtherMounters`: fall back to another mapper when the chosen one fails.
+pub const TRY_OTHER_MOUNTERS: &str = "tryOtherMounters";
+/// `journalPool`: the pool for the journal of `journaling` images.
+pub const JOURNAL_POOL: &str = "journalPool";
+/// Metadata external-provisioner adds with `--extra-create-metadata`.
+pub const PV_NAME_META: &str = "csi.storage.k8s.io/pv/name";
+/// The claim's name, from `--extra-create-metadata`.
+pub const PVC_NAME_META: &str = "csi.storage.k8s.io/pvc/name";
+/// The claim's namespace, from `--extra-create-metadata`.
+pub const PVC_NAMESPACE_META: &str = "csi.storage.k8s.io/pvc/namespace";
+
+/// ceph-csi parameters that only tune rbd-nbd's logging: accepted (so a
+/// ceph-csi StorageClass works unchanged) and without effect on the volume.
+const NO_EFFECT: &[&str] = &["cephLogDir", "cephLogStrategy"];
+
+/// ceph-csi parameters rbdkit cannot honour yet, each with the value that
+/// means "off" (accepted) or `None` when any value is refused.
+const NOT_YET: &[(&str, Option<&str>)] = &[
+    ("encrypted", Some("false")),
+    ("encryptionKMSID", None),
+    ("encryptionType", None),
+    ("thickProvision", Some("false")),
+    ("topologyConstrainedPools", None),
+    ("BaseReadIops", None),
+    ("BaseWriteIops", None),
+    ("BaseReadBytesPerSecond", None),
+    ("BaseWriteBytesPerSecond", None),
+    ("ReadIopsPerGiB", None),
+    ("WriteIopsPerGiB", None),
+    ("ReadBpsPerGiB", None),
+    ("WriteBpsPerGiB", None),
+    ("BaseVolSizeBytes", None),
+];
+
+/// Values of `mounter` and the mapper each selects.
+const MOUNTERS: &[(&str, &str)] = &[
+    ("rbd", "krbd"),
+    ("krbd", "krbd"),
+    ("rbdkit-fuse", "rbdkit-fuse"),
+    ("fuse", "rbdkit-fuse"),
+];
+
 /// The features an image gets when the class names none: ceph-csi's default.
 pub const DEFAULT_FEATURES: Features = Features::LAYERING;
 /// The filesystem when the class names none.
@@ -301,18 +351,198 @@ pub struct ClassParams {
     pub fs_type: String,
     /// Put before the PV name to make the image name (empty by default).
     pub volume_name_prefix: String,
-    /// Credentials to create and delete images.
-    pub provisioner_secret: SecretTemplate,
+    /// The journal pool, if any.
+    pub journal_pool: Option<String>,
+    /// What the node needs: mapper, map options, mkfs options.
+    pub node: NodeParams,
+    /// Credentials to create and delete images (always set for a
+    /// StorageClass; a CSI request brings its secrets itself).
+    pub provisioner_secret: Option<SecretTemplate>,
     /// Credentials to expand images (the provisioner secret if not given).
     pub expand_secret: Option<SecretTemplate>,
     /// Credentials for the node (not used here, put on the PV).
     pub node_stage_secret: Option<SecretTemplate>,
 }
 
+/// The parameters the node plugin acts on. They travel to it in the PV's
+/// volume attributes (the CSI volume context).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeParams {
+    /// The mapper the class chose (`krbd`, `rbdkit-fuse`), or `None` for the
+    /// node's default.
+    pub mounter: Option<String>,
+    /// `mapOptions`, as given.
+    pub map_options: Option<String>,
+    /// `unmapOptions`, as given.
+    pub unmap_options: Option<String>,
+    /// `mkfsOptions`, as given.
+    pub mkfs_options: Option<String>,
+    /// `tryOtherMounters`.
+    pub try_other_mounters: bool,
+}
+
+impl NodeParams {
+    /// The volume-context entries that carry these to the node.
+    pub fn attributes(&self) -> Vec<(&'static str, String)> {
+        let mut out = Vec::new();
+        if let Some(m) = &self.mounter {
+            out.push((MOUNTER, m.clone()));
+        }
+        if let Some(o) = &self.map_options {
+            out.push((MAP_OPTIONS, o.clone()));
+        }
+        if let Some(o) = &self.unmap_options {
+            out.push((UNMAP_OPTIONS, o.clone()));
+        }
+        if let Some(o) = &self.mkfs_options {
+            out.push((MKFS_OPTIONS, o.clone()));
+        }
+        if self.try_other_mounters {
+            out.push((TRY_OTHER_MOUNTERS, "true".to_owned()));
+        }
+        out
+    }
+
+    /// Reads them back from a volume context (on the node), checking them
+    /// as [`ClassParams::parse`] does.
+    pub fn from_context(ctx: &BTreeMap<String, String>) -> Result<NodeParams, ParamError> {
+        parse_node_params(ctx)
+    }
+}
+
+/// The mapper a `mounter` value selects, or why it is refused.
+pub fn mapper_for(mounter: &str) -> Result<&'static str, ParamError> {
+    let m = mounter.trim();
+    if m == "rbd-nbd" || m == "nbd" {
+        return Err(ParamError::new(
+            MOUNTER,
+            format!("{m:?} is not supported yet; use \"rbd\" (krbd) or \"rbdkit-fuse\""),
+        ));
+    }
+    MOUNTERS
+        .iter()
+        .find(|(name, _)| *name == m)
+        .map(|(_, mapper)| *mapper)
+        .ok_or_else(|| {
+            let names: Vec<&str> = MOUNTERS.iter().map(|(n, _)| *n).collect();
+            ParamError::new(
+                MOUNTER,
+                format!(
+                    "{m:?} is not a known mounter; use one of {}",
+                    names.join(", ")
+                ),
+            )
+        })
+}
+
+fn parse_bool(params: &BTreeMap<String, String>, key: &str) -> Result<bool, ParamError> {
+    match params.get(key).map(|v| v.trim()) {
+        None => Ok(false),
+        Some("true") => Ok(true),
+        Some("false") => Ok(false),
+        Some(v) => Err(ParamError::new(
+            key,
+            format!("{v:?} is not \"true\" or \"false\""),
+        )),
+    }
+}
+
+fn parse_node_params(params: &BTreeMap<String, String>) -> Result<NodeParams, ParamError> {
+    let mounter = match params.get(MOUNTER) {
+        None => None,
+        Some(m) => Some(mapper_for(m)?.to_owned()),
+    };
+    for key in [MAP_OPTIONS, UNMAP_OPTIONS] {
+        if let Some(v) = params.get(key) {
+            check_map_options(key, v)?;
+        }
+    }
+    if let Some(v) = params.get(MKFS_OPTIONS) {
+        if v.contains(['\0', '\n']) {
+            return Err(ParamError::new(MKFS_OPTIONS, "holds a NUL or newline"));
+        }
+    }
+    Ok(NodeParams {
+        mounter,
+        map_options: params.get(MAP_OPTIONS).cloned(),
+        unmap_options: params.get(UNMAP_OPTIONS).cloned(),
+        mkfs_options: params.get(MKFS_OPTIONS).cloned(),
+        try_other_mounters: parse_bool(params, TRY_OTHER_MOUNTERS)?,
+    })
+}
+
+/// `krbd:a,b=1;rbdkit-fuse:c` or a bare `a,b`: each part names a known
+/// mapper, and options are comma-separated words without spaces.
+fn check_map_options(key: &str, value: &str) -> Result<(), ParamError> {
+    for part in value.split(';').map(str::trim).filter(|p| !p.is_empty()) {
+        let opts = match part.split_once(':') {
+            Some((mapper, opts)) => {
+                let mapper = mapper.trim();
+                if mapper != "nbd" && mapper != "rbd-nbd" {
+                    mapper_for(mapper).map_err(|e| ParamError::new(key, e.why))?;
+                }
+                opts
+            }
+            None => part,
+        };
+        if let Some(bad) = opts
+            .split(',')
+            .map(str::trim)
+            .find(|o| o.is_empty() || o.contains(char::is_whitespace) || o.contains('\0'))
+        {
+            return Err(ParamError::new(
+                key,
+                format!("option {bad:?} is empty or holds white space"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl ClassParams {
-    /// Parses and validates a class's parameters.
+    /// Parses and validates a StorageClass's parameters (the provisioner's
+    /// view: the provisioner Secret is required).
     pub fn parse(params: &BTreeMap<String, String>) -> Result<ClassParams, ParamError> {
+        let p = Self::parse_any(params)?;
+        if p.provisioner_secret.is_none() {
+            return Err(ParamError::new(
+                PROVISIONER_SECRET_NAME,
+                "is required: the provisioner needs a Secret with userID and userKey",
+            ));
+        }
+        Ok(p)
+    }
+
+    /// Parses and validates the parameters of a CSI `CreateVolume`: the same
+    /// checks, but secrets come with the request, so none is required, and
+    /// external-provisioner's `csi.storage.k8s.io/pv|pvc/...` metadata is
+    /// allowed.
+    pub fn parse_csi(params: &BTreeMap<String, String>) -> Result<ClassParams, ParamError> {
+        Self::parse_any(params)
+    }
+
+    fn parse_any(params: &BTreeMap<String, String>) -> Result<ClassParams, ParamError> {
+        for (key, off) in NOT_YET {
+            if let Some(v) = params.get(*key) {
+                if off.is_none_or(|off| v.trim() != off) {
+                    return Err(ParamError::new(
+                        key,
+                        format!("{v:?} is not supported by rbdkit yet; remove the parameter"),
+                    ));
+                }
+            }
+        }
         const KNOWN: &[&str] = &[
+            MOUNTER,
+            MAP_OPTIONS,
+            UNMAP_OPTIONS,
+            MKFS_OPTIONS,
+            TRY_OTHER_MOUNTERS,
+            JOURNAL_POOL,
+            PV_NAME_META,
+            PVC_NAME_META,
+            PVC_NAMESPACE_META,
+            "imageFormat",
             CLUSTER_ID,
             POOL,
             DATA_POOL,
@@ -329,7 +559,10 @@ impl ClassParams {
             NODE_STAGE_SECRET_NAME,
             NODE_STAGE_SECRET_NAMESPACE,
         ];
-        if let Some(unknown) = params.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+        let known = |k: &str| {
+            KNOWN.contains(&k) || NO_EFFECT.contains(&k) || NOT_YET.iter().any(|(n, _)| *n == k)
+        };
+        if let Some(unknown) = params.keys().find(|k| !known(k)) {
             return Err(ParamError::new(
                 unknown,
                 format!("unknown parameter; known ones: {}", KNOWN.join(", ")),
@@ -477,18 +710,34 @@ impl ClassParams {
             ));
         }
 
+        if let Some(v) = params.get("imageFormat") {
+            if v.trim() != "2" {
+                return Err(ParamError::new(
+                    "imageFormat",
+                    format!("{v:?} is not supported; only format \"2\" exists in current Ceph"),
+                ));
+            }
+        }
+        let journal_pool = match params.get(JOURNAL_POOL) {
+            Some(p) => {
+                check_pool_name(JOURNAL_POOL, p)?;
+                if !features.contains(Features::JOURNALING) {
+                    return Err(ParamError::new(
+                        JOURNAL_POOL,
+                        "is set but imageFeatures does not include journaling",
+                    ));
+                }
+                Some(p.clone())
+            }
+            None => None,
+        };
+        let node = parse_node_params(params)?;
         let provisioner_secret = SecretTemplate::parse(
             params,
             PROVISIONER_SECRET_NAME,
             PROVISIONER_SECRET_NAMESPACE,
             false,
-        )?
-        .ok_or_else(|| {
-            ParamError::new(
-                PROVISIONER_SECRET_NAME,
-                "is required: the provisioner needs a Secret with userID and userKey",
-            )
-        })?;
+        )?;
         let expand_secret =
             SecretTemplate::parse(params, EXPAND_SECRET_NAME, EXPAND_SECRET_NAMESPACE, true)?;
         let node_stage_secret = SecretTemplate::parse(
@@ -507,6 +756,8 @@ impl ClassParams {
             striping,
             fs_type,
             volume_name_prefix,
+            journal_pool,
+            node,
             provisioner_secret,
             expand_secret,
             node_stage_secret,
@@ -524,6 +775,9 @@ impl ClassParams {
         }
         if let Some(p) = &self.data_pool {
             o = o.data_pool(p.clone());
+        }
+        if let Some(p) = &self.journal_pool {
+            o = o.journal_pool(p.clone());
         }
         Ok(o)
     }
@@ -556,7 +810,14 @@ pub fn check_access(access_modes: &[String], volume_mode: &str) -> Result<(), St
     }
     for mode in access_modes {
         match mode.as_str() {
-            "ReadWriteOnce" | "ReadWriteOncePod" | "ReadOnlyMany" => {}
+            "ReadWriteOnce" | "ReadWriteOncePod" => {}
+            // Nothing could ever format or fill it.
+            "ReadOnlyMany" => {
+                return Err(
+                    "access mode ReadOnlyMany needs a data source: an empty read-only volume can never be written"
+                        .into(),
+                )
+            }
             "ReadWriteMany" if volume_mode == "Block" => {}
             "ReadWriteMany" => {
                 return Err(
@@ -764,7 +1025,11 @@ mod tests {
             pvc_annotations: &ann,
         };
         assert_eq!(
-            p.provisioner_secret.resolve(&ctx).unwrap(),
+            p.provisioner_secret
+                .as_ref()
+                .unwrap()
+                .resolve(&ctx)
+                .unwrap(),
             SecretRef {
                 namespace: "apps".into(),
                 name: "prov-apps".into()
@@ -808,12 +1073,97 @@ mod tests {
         let m = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         assert!(check_access(&m(&["ReadWriteOnce"]), "Filesystem").is_ok());
         assert!(check_access(&m(&["ReadWriteOncePod"]), "Block").is_ok());
-        assert!(check_access(&m(&["ReadOnlyMany"]), "Filesystem").is_ok());
+        let e = check_access(&m(&["ReadOnlyMany"]), "Filesystem").unwrap_err();
+        assert!(
+            e.contains("ReadOnlyMany") && e.contains("data source"),
+            "{e}"
+        );
         assert!(check_access(&m(&["ReadWriteMany"]), "Block").is_ok());
         let e = check_access(&m(&["ReadWriteOnce", "ReadWriteMany"]), "Filesystem").unwrap_err();
         assert!(e.contains("Block"), "{e}");
         assert!(check_access(&[], "Filesystem").is_err());
         assert!(check_access(&m(&["ReadWriteOnce"]), "Other").is_err());
         assert!(check_access(&m(&["Sometimes"]), "Block").is_err());
+    }
+
+    #[test]
+    fn ceph_csi_parameters_are_accepted_honoured_or_refused_by_name() {
+        // A ceph-csi StorageClass's node-side parameters are honoured.
+        let p = ClassParams::parse(&params(&[
+            (MOUNTER, "rbd"),
+            (
+                MAP_OPTIONS,
+                "krbd:lock_on_read,queue_depth=1024;nbd:try-netlink",
+            ),
+            (UNMAP_OPTIONS, "krbd:force"),
+            (MKFS_OPTIONS, "-m0 -Enodiscard"),
+            (TRY_OTHER_MOUNTERS, "true"),
+            ("cephLogDir", "/var/log/ceph"),
+            ("cephLogStrategy", "remove"),
+            ("encrypted", "false"),
+            ("thickProvision", "false"),
+            ("imageFormat", "2"),
+        ]))
+        .unwrap();
+        assert_eq!(p.node.mounter.as_deref(), Some("krbd"));
+        assert!(p.node.try_other_mounters);
+        let attrs: BTreeMap<_, _> = p.node.attributes().into_iter().collect();
+        assert_eq!(attrs[MKFS_OPTIONS], "-m0 -Enodiscard");
+        assert_eq!(
+            NodeParams::from_context(
+                &attrs
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.clone()))
+                    .collect()
+            )
+            .unwrap(),
+            p.node
+        );
+
+        // Those that would change the volume and are not implemented are
+        // refused, naming the parameter.
+        for (k, v) in [
+            ("encrypted", "true"),
+            ("encryptionKMSID", "vault"),
+            ("thickProvision", "true"),
+            ("topologyConstrainedPools", "[]"),
+            ("BaseReadIops", "100"),
+            ("imageFormat", "1"),
+            (MOUNTER, "rbd-nbd"),
+            (MOUNTER, "nfs"),
+            (TRY_OTHER_MOUNTERS, "yes"),
+            (MAP_OPTIONS, "krbd:a b"),
+            (MAP_OPTIONS, "iscsi:x"),
+            (JOURNAL_POOL, "journals"),
+        ] {
+            let e = err(&[(k, v)]);
+            assert_eq!(e.param, k, "{k}={v}: {e}");
+        }
+        let e = err(&[(MOUNTER, "rbd-nbd")]);
+        assert!(e.why.contains("not supported yet"), "{e}");
+        // Typos stay refused.
+        assert_eq!(err(&[("mounters", "rbd")]).param, "mounters");
+        // journalPool is honoured with journaling.
+        let p = ClassParams::parse(&params(&[
+            (IMAGE_FEATURES, "layering,exclusive-lock,journaling"),
+            (JOURNAL_POOL, "journals"),
+        ]))
+        .unwrap();
+        assert_eq!(p.journal_pool.as_deref(), Some("journals"));
+    }
+
+    #[test]
+    fn csi_requests_need_no_secret_parameters() {
+        let m: BTreeMap<String, String> =
+            [(CLUSTER_ID, "c1"), (POOL, "rbd"), (PVC_NAME_META, "data")]
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+        let p = ClassParams::parse_csi(&m).unwrap();
+        assert!(p.provisioner_secret.is_none());
+        assert_eq!(
+            ClassParams::parse(&m).unwrap_err().param,
+            PROVISIONER_SECRET_NAME
+        );
     }
 }
