@@ -47,6 +47,8 @@ pub mod blocking;
 #[cfg(feature = "service")]
 pub mod cli;
 #[cfg(feature = "service")]
+pub mod csi;
+#[cfg(feature = "service")]
 pub mod k8s;
 #[cfg(feature = "service")]
 pub mod node;
