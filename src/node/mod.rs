@@ -10,6 +10,10 @@
 //! tool (`mount`, `ioctl(LOOP_CONFIGURE)`, `mkfs.xfs`) and the object the
 //! path or image it concerned.
 
+mod command;
+pub mod fs;
+pub mod mount;
+
 use std::path::{Path, PathBuf};
 
 use crate::rados::Secret;
