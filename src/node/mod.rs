@@ -12,7 +12,10 @@
 
 mod command;
 pub mod fs;
+pub mod keyring;
+pub mod krbd;
 pub mod mount;
+pub mod options;
 
 use std::path::{Path, PathBuf};
 
