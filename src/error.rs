@@ -256,6 +256,12 @@ pub(crate) fn errno_name(errno: i32) -> String {
         libc::EDQUOT => "EDQUOT",
         libc::ECANCELED => "ECANCELED",
         libc::EILSEQ => "EILSEQ",
+        libc::ENOTBLK => "ENOTBLK",
+        libc::ENOTTY => "ENOTTY",
+        libc::ENODEV => "ENODEV",
+        libc::ENOTCONN => "ENOTCONN",
+        libc::ESTALE => "ESTALE",
+        libc::ENOKEY => "ENOKEY",
         _ => return format!("errno {errno}"),
     };
     name.to_owned()

@@ -10,6 +10,13 @@
 //! tool (`mount`, `ioctl(LOOP_CONFIGURE)`, `mkfs.xfs`) and the object the
 //! path or image it concerned.
 
+mod command;
+pub mod fs;
+pub mod keyring;
+pub mod krbd;
+pub mod mount;
+pub mod options;
+
 use std::path::{Path, PathBuf};
 
 use crate::rados::Secret;
