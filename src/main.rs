@@ -1,5 +1,6 @@
 //! `rbdkit`: the command line for operators (`rbdkit image ...`) and the
-//! Kubernetes provisioner (`rbdkit provisioner ...`).
+//! Kubernetes provisioner (`rbdkit provisioner ...`), and the node's
+//! userspace mapper daemon (`rbdkit fuse-mapper ...`).
 
 use std::process::ExitCode;
 
@@ -21,12 +22,21 @@ enum Command {
     Image(rbdkit::cli::ImageArgs),
     /// Run the Kubernetes provisioner (PVC -> RBD image -> PV).
     Provisioner(rbdkit::provisioner::ProvisionerArgs),
+    /// Run the rbdkit-fuse mapper daemon (RBD images as loop devices over FUSE).
+    FuseMapper(rbdkit::node::fuse_daemon::FuseMapperArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Image(args) => match rbdkit::cli::run_image(args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("rbdkit: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::FuseMapper(args) => match rbdkit::node::fuse_daemon::run(args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("rbdkit: {e}");

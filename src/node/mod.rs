@@ -72,3 +72,8 @@ pub trait Mapper: Send + Sync {
     /// why not, for the VolumeCondition.
     fn check(&self, volume_id: &str, device: &Path) -> Result<(), String>;
 }
+
+pub mod fuse;
+pub mod fuse_daemon;
+pub mod fuse_kernel;
+pub mod loopdev;

@@ -1,0 +1,1263 @@
+//! The `rbdkit fuse-mapper` daemon: serves RBD images as files of a FUSE
+//! filesystem it mounts itself, binds a loop device to each file and
+//! answers the control protocol of [`crate::node::fuse`].
+//!
+//! # Data path
+//! Each image is one regular file `<state-dir>/mnt/<ino>.<volume>` whose
+//! size is the image's. A FUSE READ or WRITE becomes one librbd AIO request
+//! ([`Image::aio_read`], [`Image::aio_write`]); the reply is written to
+//! `/dev/fuse` by a tokio worker when the request completes, so as many
+//! requests are in flight as the kernel sends (reader threads only parse
+//! and submit). FSYNC and FLUSH call [`Image::aio_flush`] and are answered
+//! only after librbd flushed, so an `fsync` in a filesystem on the device
+//! returns once the data is in RADOS. Discards and write-zeroes from the
+//! loop device arrive as FALLOCATE and become `rbd_aio_write_zeroes`.
+//!
+//! **No double caching**: the loop device is bound with `LO_FLAGS_DIRECT_IO`
+//! and every open of the file gets `FOPEN_DIRECT_IO`, so the file has no page
+//! cache; the only caches are the filesystem's page cache above the loop
+//! device and librbd's own cache. `status` reports
+//! `/sys/block/loopN/loop/dio` as `direct_io`.
+//!
+//! # State, crash and restart
+//! The attachments (volume, image, device, file; never the key) are kept
+//! in `<state-dir>/state.json`, written atomically (temp file, fsync,
+//! rename, fsync of the folder). An exclusive `flock` on
+//! `<state-dir>/lock` keeps a second daemon off the same state.
+//!
+//! What survives a `kill -9` of the daemon, exactly:
+//! - **The data**: everything an `fsync` (or `sync`, or unmount) returned
+//!   for was flushed by librbd before the reply, so it is in the image.
+//! - **Not the mapping**: the FUSE connection dies with the process that
+//!   holds `/dev/fuse`, so the loop device and a filesystem mounted on it
+//!   get `EIO`/`ENOTCONN` from then on. Dirty data still in that
+//!   filesystem's page cache is lost (it was never fsynced).
+//! - **Recovery**: a restarted daemon finds every loop device whose backing
+//!   file is under its mount folder (bound before the crash, recorded in
+//!   the state or not yet) and clears it with `LOOP_CLR_FD`. A device that
+//!   is still open or mounted is not torn down under its user: the kernel
+//!   only marks it to be cleared on its last close. Then the dead FUSE
+//!   mount is detached lazily and a fresh one is made. Volumes recorded in
+//!   the state are reported by `status` as unhealthy ("the daemon
+//!   restarted") until `attach` is called again, which maps them on a new
+//!   device; `detach` forgets them. This is safe even while the old device
+//!   is still mounted: it can never reach the image again.
+//!
+//! Keys live only in the memory of this process (inside the librados
+//! connections, one per monitors + user); after a restart, `attach` brings
+//! them again.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::node::fuse::{AttachSpec, AttachmentStatus, ControlRequest, ControlResponse};
+use crate::node::fuse_kernel::{self as fk, op, InHeader, Reply};
+use crate::node::loopdev;
+use crate::rados::{Cluster, ConnectOptions};
+use crate::rbd::Image;
+
+/// Arguments of `rbdkit fuse-mapper`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct FuseMapperArgs {
+    /// The control socket (created mode 0600).
+    #[arg(long, default_value = "/run/rbdkit/mapper.sock")]
+    pub socket: PathBuf,
+    /// Where the state file and the FUSE mount live.
+    #[arg(long = "state-dir", default_value = "/var/lib/rbdkit/fuse")]
+    pub state_dir: PathBuf,
+    /// FUSE reader threads (each on its own cloned /dev/fuse fd).
+    #[arg(long, default_value_t = 4)]
+    pub threads: usize,
+    /// Threads that complete librbd requests and write the replies.
+    #[arg(long = "io-threads", default_value_t = 2)]
+    pub io_threads: usize,
+    /// Bound on connecting to a cluster and on each cluster operation.
+    #[arg(long = "timeout", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub timeout: Duration,
+}
+
+const ROOT_INO: u64 = 1;
+/// How long detach waits for the kernel to let go of the file.
+const UNBIND_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long detach waits for in-flight requests before closing the image.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// One attachment as recorded in the state file (no key).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Record {
+    volume_id: String,
+    monitors: Vec<String>,
+    user: String,
+    pool: String,
+    namespace: String,
+    image: String,
+    snapshot: Option<String>,
+    read_only: bool,
+    ino: u64,
+    file: String,
+    device: Option<String>,
+    size: u64,
+}
+
+impl Record {
+    fn image_spec(&self) -> String {
+        let mut s = self.pool.clone();
+        if !self.namespace.is_empty() {
+            s.push('/');
+            s.push_str(&self.namespace);
+        }
+        s.push('/');
+        s.push_str(&self.image);
+        if let Some(snap) = &self.snapshot {
+            s.push('@');
+            s.push_str(snap);
+        }
+        s
+    }
+
+    fn same_image(&self, spec: &AttachSpec) -> bool {
+        self.pool == spec.pool
+            && self.namespace == spec.namespace
+            && self.image == spec.image
+            && self.snapshot == spec.snapshot
+            && self.read_only == (spec.read_only || spec.snapshot.is_some())
+    }
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct StateFile {
+    next_ino: u64,
+    attachments: Vec<Record>,
+}
+
+/// One file of the filesystem.
+struct Node {
+    ino: u64,
+    name: String,
+    image: Arc<Image>,
+    size: AtomicU64,
+    read_only: bool,
+}
+
+/// The FUSE filesystem: a root folder of image files.
+struct Fs {
+    nodes: RwLock<BTreeMap<u64, Arc<Node>>>,
+    rt: tokio::runtime::Handle,
+    alive: AtomicBool,
+}
+
+fn dir_attr() -> fk::Attr {
+    fk::Attr {
+        ino: ROOT_INO,
+        mode: libc::S_IFDIR | 0o755,
+        nlink: 2,
+        blksize: 4096,
+        ..Default::default()
+    }
+}
+
+impl Node {
+    fn attr(&self) -> fk::Attr {
+        let size = self.size.load(Ordering::SeqCst);
+        fk::Attr {
+            ino: self.ino,
+            size,
+            blocks: size.div_ceil(512),
+            mode: libc::S_IFREG | if self.read_only { 0o400 } else { 0o600 },
+            nlink: 1,
+            blksize: 4096,
+            ..Default::default()
+        }
+    }
+}
+
+fn cstr_arg(body: &[u8]) -> &[u8] {
+    let end = body.iter().position(|&b| b == 0).unwrap_or(body.len());
+    &body[..end]
+}
+
+impl Fs {
+    fn node(&self, ino: u64) -> Option<Arc<Node>> {
+        self.nodes
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&ino)
+            .cloned()
+    }
+
+    fn attr_out(attr: fk::Attr) -> fk::AttrOut {
+        // attr_valid 0: every stat asks us, so a grown image is seen at once.
+        fk::AttrOut {
+            attr,
+            ..Default::default()
+        }
+    }
+
+    /// Runs `fut` on the I/O runtime and answers with its result.
+    fn complete<F>(&self, reply: Reply, fut: F)
+    where
+        F: std::future::Future<Output = std::result::Result<Vec<u8>, i32>> + Send + 'static,
+    {
+        self.rt.spawn(async move {
+            match fut.await {
+                Ok(data) => reply.ok(&data),
+                Err(errno) => reply.error(errno),
+            }
+        });
+    }
+}
+
+fn errno_of(e: &Error) -> i32 {
+    match e.errno() {
+        0 => libc::EIO,
+        n => n,
+    }
+}
+
+impl fk::Handler for Fs {
+    fn request(&self, hdr: &InHeader, body: &[u8], reply: Option<Reply>) {
+        let Some(reply) = reply else { return };
+        let ino = hdr.nodeid;
+        match hdr.opcode {
+            op::LOOKUP => {
+                if ino != ROOT_INO {
+                    return reply.error(libc::ENOENT);
+                }
+                let name = cstr_arg(body);
+                let found = self
+                    .nodes
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .values()
+                    .find(|n| n.name.as_bytes() == name)
+                    .cloned();
+                match found {
+                    Some(n) => {
+                        let e = fk::EntryOut {
+                            nodeid: n.ino,
+                            generation: 1,
+                            attr: n.attr(),
+                            ..Default::default()
+                        };
+                        reply.ok(fk::pod_bytes(&e))
+                    }
+                    None => reply.error(libc::ENOENT),
+                }
+            }
+            op::GETATTR | op::SETATTR => {
+                if ino == ROOT_INO {
+                    return reply.ok(fk::pod_bytes(&Fs::attr_out(dir_attr())));
+                }
+                let Some(n) = self.node(ino) else {
+                    return reply.error(libc::ENOENT);
+                };
+                if hdr.opcode == op::SETATTR {
+                    let Some(s) = fk::read_pod::<fk::SetattrIn>(body) else {
+                        return reply.error(libc::EINVAL);
+                    };
+                    // The size is the image's; only the controller changes it.
+                    if s.valid & fk::FATTR_SIZE != 0 && s.size != n.size.load(Ordering::SeqCst) {
+                        return reply.error(libc::EPERM);
+                    }
+                }
+                reply.ok(fk::pod_bytes(&Fs::attr_out(n.attr())))
+            }
+            op::OPEN => {
+                let Some(n) = self.node(ino) else {
+                    return reply.error(libc::ENOENT);
+                };
+                let flags = fk::read_pod::<fk::OpenIn>(body).map_or(0, |o| o.flags as i32);
+                if n.read_only && flags & libc::O_ACCMODE != libc::O_RDONLY {
+                    return reply.error(libc::EROFS);
+                }
+                let out = fk::OpenOut {
+                    fh: n.ino,
+                    open_flags: fk::FOPEN_DIRECT_IO | fk::FOPEN_PARALLEL_DIRECT_WRITES,
+                    padding: 0,
+                };
+                reply.ok(fk::pod_bytes(&out))
+            }
+            op::READ => {
+                let (Some(n), Some(r)) = (self.node(ino), fk::read_pod::<fk::ReadIn>(body)) else {
+                    return reply.error(libc::EBADF);
+                };
+                let size = n.size.load(Ordering::SeqCst);
+                if r.offset >= size {
+                    return reply.ok(&[]);
+                }
+                let len = (r.size as u64).min(size - r.offset) as usize;
+                let fut = n.image.aio_read(r.offset, len);
+                self.complete(reply, async move { fut.await.map_err(|e| errno_of(&e)) });
+            }
+            op::WRITE => {
+                let (Some(n), Some(w)) = (self.node(ino), fk::read_pod::<fk::WriteIn>(body)) else {
+                    return reply.error(libc::EBADF);
+                };
+                if n.read_only {
+                    return reply.error(libc::EROFS);
+                }
+                let start = std::mem::size_of::<fk::WriteIn>();
+                let Some(data) = body.get(start..start + w.size as usize) else {
+                    return reply.error(libc::EINVAL);
+                };
+                if w.offset.saturating_add(w.size as u64) > n.size.load(Ordering::SeqCst) {
+                    return reply.error(libc::ENOSPC);
+                }
+                let fut = n.image.aio_write(w.offset, data.to_vec());
+                let written = w.size;
+                self.complete(reply, async move {
+                    fut.await.map_err(|e| errno_of(&e))?;
+                    let out = fk::WriteOut {
+                        size: written,
+                        padding: 0,
+                    };
+                    Ok(fk::pod_bytes(&out).to_vec())
+                });
+            }
+            op::FSYNC | op::FLUSH => {
+                let Some(n) = self.node(ino) else {
+                    return reply.error(libc::EBADF);
+                };
+                if n.read_only {
+                    return reply.ok(&[]);
+                }
+                let fut = n.image.aio_flush();
+                self.complete(reply, async move {
+                    fut.await.map_err(|e| errno_of(&e))?;
+                    Ok(Vec::new())
+                });
+            }
+            op::FALLOCATE => {
+                let (Some(n), Some(f)) = (self.node(ino), fk::read_pod::<fk::FallocateIn>(body))
+                else {
+                    return reply.error(libc::EBADF);
+                };
+                if n.read_only {
+                    return reply.error(libc::EROFS);
+                }
+                let size = n.size.load(Ordering::SeqCst);
+                let zero = libc::FALLOC_FL_PUNCH_HOLE as u32 | libc::FALLOC_FL_ZERO_RANGE as u32;
+                let known = zero | libc::FALLOC_FL_KEEP_SIZE as u32;
+                if f.mode & !known != 0 {
+                    return reply.error(libc::EOPNOTSUPP);
+                }
+                let end = f.offset.saturating_add(f.length);
+                if f.mode & zero == 0 {
+                    // Plain allocation: the image is already that big.
+                    return if end <= size {
+                        reply.ok(&[])
+                    } else {
+                        reply.error(libc::EOPNOTSUPP)
+                    };
+                }
+                if f.offset >= size {
+                    return reply.ok(&[]);
+                }
+                let len = end.min(size) - f.offset;
+                // write_zeroes, not discard: a punched hole must read back
+                // as zeroes, which a partial-object discard does not promise.
+                let fut = n.image.aio_write_zeroes(f.offset, len as usize);
+                self.complete(reply, async move {
+                    fut.await.map_err(|e| errno_of(&e))?;
+                    Ok(Vec::new())
+                });
+            }
+            op::RELEASE | op::RELEASEDIR | op::FSYNCDIR | op::DESTROY => reply.ok(&[]),
+            op::OPENDIR => {
+                if ino != ROOT_INO {
+                    return reply.error(libc::ENOTDIR);
+                }
+                reply.ok(fk::pod_bytes(&fk::OpenOut::default()))
+            }
+            op::READDIR => {
+                let Some(r) = fk::read_pod::<fk::ReadIn>(body) else {
+                    return reply.error(libc::EINVAL);
+                };
+                let mut entries: Vec<(u64, u32, Vec<u8>)> = vec![
+                    (ROOT_INO, libc::DT_DIR as u32, b".".to_vec()),
+                    (ROOT_INO, libc::DT_DIR as u32, b"..".to_vec()),
+                ];
+                for n in self
+                    .nodes
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .values()
+                {
+                    entries.push((n.ino, libc::DT_REG as u32, n.name.as_bytes().to_vec()));
+                }
+                let mut out = Vec::new();
+                for (i, (eino, typ, name)) in entries.iter().enumerate().skip(r.offset as usize) {
+                    if !fk::push_dirent(&mut out, r.size as usize, *eino, i as u64 + 1, *typ, name)
+                    {
+                        break;
+                    }
+                }
+                reply.ok(&out)
+            }
+            op::STATFS => {
+                let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
+                let bytes: u64 = nodes.values().map(|n| n.size.load(Ordering::SeqCst)).sum();
+                let out = fk::StatfsOut {
+                    blocks: bytes / 4096,
+                    files: nodes.len() as u64 + 1,
+                    bsize: 4096,
+                    frsize: 4096,
+                    namelen: 255,
+                    ..Default::default()
+                };
+                reply.ok(fk::pod_bytes(&out))
+            }
+            _ => reply.error(libc::ENOSYS),
+        }
+    }
+}
+
+/// A live attachment.
+struct Live {
+    rec: Record,
+    node: Arc<Node>,
+    conn_key: (String, String),
+}
+
+#[derive(Default)]
+struct Table {
+    live: BTreeMap<String, Live>,
+    /// Recorded before a restart, device dead, not yet attached again.
+    stale: BTreeMap<String, Record>,
+    next_ino: u64,
+}
+
+struct Daemon {
+    state_dir: PathBuf,
+    mnt: PathBuf,
+    fs: Arc<Fs>,
+    table: Mutex<Table>,
+    /// Serialises attach, detach and refresh.
+    ops: Mutex<()>,
+    conns: Mutex<HashMap<(String, String), Cluster>>,
+    timeout: Duration,
+}
+
+fn io_err(e: std::io::Error, op: &'static str, object: &Path) -> Error {
+    Error::from_errno(
+        e.raw_os_error().unwrap_or(libc::EIO),
+        op,
+        object.display().to_string(),
+    )
+}
+
+/// Writes `data` to `path` atomically: a temp file, fsync, rename, fsync of
+/// the folder.
+fn write_atomic(path: &Path, data: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("tmp");
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(|e| io_err(e, "open", &tmp))?;
+    f.write_all(data)
+        .and_then(|()| f.sync_all())
+        .map_err(|e| io_err(e, "write", &tmp))?;
+    std::fs::rename(&tmp, path).map_err(|e| io_err(e, "rename", path))?;
+    if let Some(dir) = path.parent() {
+        File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(|e| io_err(e, "fsync", dir))?;
+    }
+    Ok(())
+}
+
+fn file_name(ino: u64, volume_id: &str) -> String {
+    let clean: String = volume_id
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(200)
+        .collect();
+    format!("{ino}.{clean}")
+}
+
+impl Daemon {
+    fn state_path(&self) -> PathBuf {
+        self.state_dir.join("state.json")
+    }
+
+    fn save(&self, table: &Table) -> Result<()> {
+        let mut attachments: Vec<Record> = table.live.values().map(|l| l.rec.clone()).collect();
+        attachments.extend(table.stale.values().cloned());
+        let state = StateFile {
+            next_ino: table.next_ino,
+            attachments,
+        };
+        let data = serde_json::to_vec_pretty(&state).expect("state serialises");
+        write_atomic(&self.state_path(), &data)
+    }
+
+    fn lock_table(&self) -> std::sync::MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn connect(&self, spec: &AttachSpec) -> Result<((String, String), Cluster)> {
+        let key = (spec.monitors.join(","), spec.user.clone());
+        if let Some(c) = self
+            .conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+        {
+            return Ok((key, c.clone()));
+        }
+        if spec.monitors.is_empty() {
+            return Err(Error::invalid(
+                "attach",
+                &spec.volume_id,
+                "no monitors given",
+            ));
+        }
+        let cluster = ConnectOptions::new()
+            .mon_host(key.0.clone())
+            .user(spec.user.clone())
+            .key(spec.key.clone())
+            .connect_timeout(self.timeout)
+            .op_timeout(self.timeout)
+            .connect()?;
+        self.conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key.clone(), cluster.clone());
+        Ok((key, cluster))
+    }
+
+    fn drop_conn_if_unused(&self, key: &(String, String)) {
+        let used = self.lock_table().live.values().any(|l| &l.conn_key == key);
+        if !used {
+            self.conns
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(key);
+        }
+    }
+
+    fn status_of_live(&self, l: &Live) -> AttachmentStatus {
+        let file = self.mnt.join(&l.rec.file);
+        let device = l.rec.device.clone();
+        let mut reason = None;
+        let mut direct_io = false;
+        if !self.fs.alive.load(Ordering::SeqCst) {
+            reason = Some(format!(
+                "the FUSE filesystem at {} is no longer served (unmounted?)",
+                self.mnt.display()
+            ));
+        }
+        match &device {
+            None => reason = reason.or(Some("no loop device is bound".into())),
+            Some(d) => {
+                let d = Path::new(d);
+                direct_io = loopdev::direct_io(d);
+                if loopdev::backing_file(d).as_deref() != Some(file.as_path()) {
+                    reason = reason.or(Some(format!(
+                        "{} is no longer bound to {}",
+                        d.display(),
+                        file.display()
+                    )));
+                }
+            }
+        }
+        AttachmentStatus {
+            volume_id: l.rec.volume_id.clone(),
+            image: l.rec.image_spec(),
+            device,
+            file: file.display().to_string(),
+            size: l.node.size.load(Ordering::SeqCst),
+            read_only: l.rec.read_only,
+            direct_io,
+            healthy: reason.is_none(),
+            reason,
+        }
+    }
+
+    fn status_of_stale(&self, r: &Record) -> AttachmentStatus {
+        AttachmentStatus {
+            volume_id: r.volume_id.clone(),
+            image: r.image_spec(),
+            device: r.device.clone(),
+            file: self.mnt.join(&r.file).display().to_string(),
+            size: r.size,
+            read_only: r.read_only,
+            direct_io: false,
+            healthy: false,
+            reason: Some(format!(
+                "the rbdkit-fuse daemon restarted since {} was mapped on {}: that device no longer \
+                 reaches the image (I/O fails); attach the volume again",
+                r.volume_id,
+                r.device.as_deref().unwrap_or("a device")
+            )),
+        }
+    }
+
+    fn attach(&self, spec: AttachSpec) -> Result<ControlResponse> {
+        let _ops = self.ops.lock().unwrap_or_else(|e| e.into_inner());
+        let vol = spec.volume_id.clone();
+        if vol.is_empty() {
+            return Err(Error::invalid("attach", "", "empty volume id"));
+        }
+        let existing = self
+            .lock_table()
+            .live
+            .get(&vol)
+            .map(|l| (l.rec.clone(), Arc::clone(&l.node)));
+        if let Some((rec, node)) = existing {
+            if !rec.same_image(&spec) {
+                return Err(Error::with_kind(
+                    ErrorKind::AlreadyExists,
+                    libc::EEXIST,
+                    "attach",
+                    vol,
+                    format!(
+                        "already attached to {} (read_only={}); detach it first",
+                        rec.image_spec(),
+                        rec.read_only
+                    ),
+                ));
+            }
+            let file = self.mnt.join(&rec.file);
+            if let Some(dev) = &rec.device {
+                if loopdev::backing_file(Path::new(dev)).as_deref() == Some(file.as_path()) {
+                    return Ok(ControlResponse {
+                        ok: true,
+                        device: Some(dev.clone()),
+                        size: Some(node.size.load(Ordering::SeqCst)),
+                        ..Default::default()
+                    });
+                }
+            }
+            // The image is open but its device went away: bind a new one.
+            let dev = self.bind(&file, rec.read_only)?;
+            let mut t = self.lock_table();
+            if let Some(l) = t.live.get_mut(&vol) {
+                l.rec.device = Some(dev.display().to_string());
+            }
+            self.save(&t)?;
+            return Ok(ControlResponse {
+                ok: true,
+                device: Some(dev.display().to_string()),
+                size: Some(node.size.load(Ordering::SeqCst)),
+                ..Default::default()
+            });
+        }
+
+        let read_only = spec.read_only || spec.snapshot.is_some();
+        let (conn_key, cluster) = self.connect(&spec)?;
+        let opened = (|| {
+            let ioctx = cluster.ioctx_ns(&spec.pool, &spec.namespace)?;
+            let image = match (&spec.snapshot, read_only) {
+                (Some(snap), _) => Image::open_snapshot(&ioctx, &spec.image, snap)?,
+                (None, true) => Image::open_read_only(&ioctx, &spec.image)?,
+                (None, false) => Image::open(&ioctx, &spec.image)?,
+            };
+            let size = image.size()?;
+            Ok::<_, Error>((image, size))
+        })();
+        let (image, size) = match opened {
+            Ok(v) => v,
+            Err(e) => {
+                self.drop_conn_if_unused(&conn_key);
+                return Err(e);
+            }
+        };
+        let ino = {
+            let mut t = self.lock_table();
+            t.next_ino = t.next_ino.max(ROOT_INO + 1);
+            let ino = t.next_ino;
+            t.next_ino += 1;
+            ino
+        };
+        let name = file_name(ino, &vol);
+        let node = Arc::new(Node {
+            ino,
+            name: name.clone(),
+            image: Arc::new(image),
+            size: AtomicU64::new(size),
+            read_only,
+        });
+        self.fs
+            .nodes
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(ino, Arc::clone(&node));
+        let file = self.mnt.join(&name);
+        let dev = match self.bind(&file, read_only) {
+            Ok(d) => d,
+            Err(e) => {
+                self.fs
+                    .nodes
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&ino);
+                close_node(node);
+                self.drop_conn_if_unused(&conn_key);
+                return Err(e);
+            }
+        };
+        let rec = Record {
+            volume_id: vol.clone(),
+            monitors: spec.monitors.clone(),
+            user: spec.user.clone(),
+            pool: spec.pool.clone(),
+            namespace: spec.namespace.clone(),
+            image: spec.image.clone(),
+            snapshot: spec.snapshot.clone(),
+            read_only,
+            ino,
+            file: name,
+            device: Some(dev.display().to_string()),
+            size,
+        };
+        tracing::info!(volume = %vol, image = %rec.image_spec(), device = %dev.display(), size, "attached");
+        let mut t = self.lock_table();
+        t.stale.remove(&vol);
+        t.live.insert(
+            vol,
+            Live {
+                rec,
+                node,
+                conn_key,
+            },
+        );
+        self.save(&t)?;
+        Ok(ControlResponse {
+            ok: true,
+            device: Some(dev.display().to_string()),
+            size: Some(size),
+            ..Default::default()
+        })
+    }
+
+    /// Opens the FUSE file and binds a loop device to it.
+    fn bind(&self, file: &Path, read_only: bool) -> Result<PathBuf> {
+        let f = OpenOptions::new()
+            .read(true)
+            .write(!read_only)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(file)
+            .map_err(|e| io_err(e, "open", file))?;
+        let dev = loopdev::attach(
+            &f,
+            file,
+            loopdev::LoopOptions {
+                read_only,
+                direct_io: true,
+                block_size: 4096,
+            },
+        )?;
+        if !loopdev::direct_io(&dev) {
+            tracing::warn!(device = %dev.display(), "loop device does not do direct I/O on the FUSE file");
+        }
+        Ok(dev)
+    }
+
+    fn detach(&self, vol: &str) -> Result<ControlResponse> {
+        let _ops = self.ops.lock().unwrap_or_else(|e| e.into_inner());
+        let (live, stale) = {
+            let t = self.lock_table();
+            (
+                t.live.get(vol).map(|l| (l.rec.clone(), l.conn_key.clone())),
+                t.stale.get(vol).cloned(),
+            )
+        };
+        if let Some((rec, conn_key)) = live {
+            let file = self.mnt.join(&rec.file);
+            if let Some(dev) = &rec.device {
+                let dev = Path::new(dev);
+                if loopdev::backing_file(dev).as_deref() == Some(file.as_path()) {
+                    if loopdev::in_use(dev) {
+                        return Err(Error::with_kind(
+                            ErrorKind::Busy,
+                            libc::EBUSY,
+                            "detach",
+                            vol.to_owned(),
+                            format!(
+                                "{} is mounted or held open; unmount it first",
+                                dev.display()
+                            ),
+                        ));
+                    }
+                    loopdev::detach(dev)?;
+                    wait_unbound(dev, &file)?;
+                }
+            }
+            let l = {
+                let mut t = self.lock_table();
+                let l = t.live.remove(vol);
+                self.save(&t)?;
+                l
+            };
+            if let Some(l) = l {
+                self.fs
+                    .nodes
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&l.node.ino);
+                close_node(l.node);
+            }
+            self.drop_conn_if_unused(&conn_key);
+            tracing::info!(volume = %vol, "detached");
+        } else if let Some(rec) = stale {
+            // Its device was cleared at start-up; forget it.
+            let mut t = self.lock_table();
+            t.stale.remove(vol);
+            self.save(&t)?;
+            tracing::info!(volume = %vol, device = ?rec.device, "forgot a mapping from before the restart");
+        }
+        Ok(ControlResponse {
+            ok: true,
+            ..Default::default()
+        })
+    }
+
+    fn refresh(&self, vol: &str) -> Result<ControlResponse> {
+        let _ops = self.ops.lock().unwrap_or_else(|e| e.into_inner());
+        let (rec, node) = {
+            let t = self.lock_table();
+            match t.live.get(vol) {
+                Some(l) => (l.rec.clone(), Arc::clone(&l.node)),
+                None => {
+                    return Err(Error::with_kind(
+                        ErrorKind::NotFound,
+                        libc::ENOENT,
+                        "refresh",
+                        vol.to_owned(),
+                        "not attached (attach it first)",
+                    ))
+                }
+            }
+        };
+        // rbd_get_size refreshes the header when the image changed.
+        let size = node.image.size()?;
+        node.size.store(size, Ordering::SeqCst);
+        let file = self.mnt.join(&rec.file);
+        // attr_valid is 0, so a stat makes the kernel fetch the new size.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let seen = std::fs::metadata(&file)
+                .map_err(|e| io_err(e, "stat", &file))?
+                .len();
+            if seen == size {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(
+                    Error::from_errno(libc::EIO, "stat", file.display().to_string())
+                        .detail(format!("the kernel still sees {seen} bytes, not {size}")),
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        if let Some(dev) = &rec.device {
+            loopdev::set_capacity(Path::new(dev))?;
+        }
+        let mut t = self.lock_table();
+        if let Some(l) = t.live.get_mut(vol) {
+            l.rec.size = size;
+        }
+        self.save(&t)?;
+        tracing::info!(volume = %vol, size, "refreshed");
+        Ok(ControlResponse {
+            ok: true,
+            size: Some(size),
+            ..Default::default()
+        })
+    }
+
+    fn handle(&self, req: ControlRequest) -> Result<ControlResponse> {
+        match req {
+            ControlRequest::Attach(spec) => self.attach(spec),
+            ControlRequest::Detach { volume_id } => self.detach(&volume_id),
+            ControlRequest::Refresh { volume_id } => self.refresh(&volume_id),
+            ControlRequest::List => {
+                let t = self.lock_table();
+                let mut attachments: Vec<_> =
+                    t.live.values().map(|l| self.status_of_live(l)).collect();
+                attachments.extend(t.stale.values().map(|r| self.status_of_stale(r)));
+                Ok(ControlResponse {
+                    ok: true,
+                    attachments,
+                    ..Default::default()
+                })
+            }
+            ControlRequest::Status { volume_id } => {
+                let t = self.lock_table();
+                let s = match (t.live.get(&volume_id), t.stale.get(&volume_id)) {
+                    (Some(l), _) => Some(self.status_of_live(l)),
+                    (None, Some(r)) => Some(self.status_of_stale(r)),
+                    (None, None) => None,
+                };
+                Ok(ControlResponse {
+                    ok: true,
+                    attachments: s.into_iter().collect(),
+                    ..Default::default()
+                })
+            }
+            ControlRequest::Ping => Ok(ControlResponse {
+                ok: true,
+                pid: Some(std::process::id()),
+                ..Default::default()
+            }),
+        }
+    }
+}
+
+/// Waits until the kernel let go of `file` on `dev` (the unbind finishes
+/// when the device's last opener closes it).
+fn wait_unbound(dev: &Path, file: &Path) -> Result<()> {
+    let deadline = Instant::now() + UNBIND_TIMEOUT;
+    while loopdev::backing_file(dev).as_deref() == Some(file) {
+        if Instant::now() > deadline {
+            return Err(Error::from_errno(
+                libc::EBUSY,
+                "ioctl(LOOP_CLR_FD)",
+                dev.display().to_string(),
+            )
+            .detail(format!(
+                "still bound to {} after {} s: something holds the device open",
+                file.display(),
+                UNBIND_TIMEOUT.as_secs()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+/// Flushes and closes the image once the requests still in flight let go
+/// of it (bounded); past the bound the last of them closes it.
+fn close_node(node: Arc<Node>) {
+    let Ok(node) = Arc::try_unwrap(node) else {
+        return;
+    };
+    let mut image = node.image;
+    let deadline = Instant::now() + DRAIN_TIMEOUT;
+    loop {
+        match Arc::try_unwrap(image) {
+            Ok(img) => {
+                let spec = img.spec();
+                if let Err(e) = img.flush().and_then(|()| img.close()) {
+                    tracing::warn!(image = %spec, error = %e, "closing the image failed");
+                }
+                return;
+            }
+            Err(shared) if Instant::now() < deadline => {
+                image = shared;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(_) => return,
+        }
+    }
+}
+
+/// What a previous run left: loop devices on our files and the dead mount.
+fn recover(mnt: &Path) -> Vec<PathBuf> {
+    let mut cleared = Vec::new();
+    for (dev, backing) in loopdev::list() {
+        if backing.starts_with(mnt) {
+            let busy = loopdev::in_use(&dev);
+            match loopdev::detach(&dev) {
+                Ok(()) => {
+                    tracing::info!(device = %dev.display(), file = %backing.display(), busy,
+                        "cleared a loop device left by the previous run (a busy one is cleared on its last close)");
+                    cleared.push(dev);
+                }
+                Err(e) => {
+                    tracing::warn!(device = %dev.display(), error = %e, "cannot clear a stale loop device")
+                }
+            }
+        }
+    }
+    // Stacked mounts are possible after several crashes: peel them all.
+    for _ in 0..16 {
+        if !is_mountpoint(mnt) {
+            break;
+        }
+        if let Err(e) = fk::unmount_lazy(mnt) {
+            tracing::warn!(path = %mnt.display(), error = %e, "cannot detach the old FUSE mount");
+            break;
+        }
+    }
+    cleared
+}
+
+/// Whether `path` is a mount point, from `/proc/self/mountinfo`.
+fn is_mountpoint(path: &Path) -> bool {
+    let Ok(text) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    let want = path.to_string_lossy();
+    text.lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .any(|m| unescape_mount(m) == want)
+}
+
+fn unescape_mount(s: &str) -> String {
+    s.replace("\\040", " ")
+        .replace("\\011", "\t")
+        .replace("\\012", "\n")
+        .replace("\\134", "\\")
+}
+
+fn lock_state_dir(dir: &Path) -> Result<File> {
+    let path = dir.join("lock");
+    let f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(&path)
+        .map_err(|e| io_err(e, "open", &path))?;
+    // SAFETY: flock(2) on a live fd; the lock goes with the fd.
+    let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if r != 0 {
+        return Err(
+            Error::from_errno(libc::EBUSY, "flock", path.display().to_string())
+                .detail("another rbdkit fuse-mapper uses this state dir"),
+        );
+    }
+    Ok(f)
+}
+
+fn peer_uid(stream: &UnixStream) -> Option<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: u32::MAX,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED fills one `struct ucred` (unix(7)); `cred` and
+    // `len` are valid out-pointers of that size.
+    let r = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    (r == 0).then_some(cred.uid)
+}
+
+fn serve_client(daemon: &Daemon, stream: UnixStream) {
+    if peer_uid(&stream) != Some(0) {
+        let _ =
+            (&stream).write_all(b"{\"ok\":false,\"error\":\"only root may use this socket\"}\n");
+        return;
+    }
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(300)));
+    let _ = stream.set_write_timeout(Some(Duration::from_secs(30)));
+    let mut reader = BufReader::new(&stream);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        match reader.read_line(&mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+        let resp = match serde_json::from_str::<ControlRequest>(&line) {
+            // The parse error may quote the input, which may hold a key.
+            Err(_) => ControlResponse {
+                ok: false,
+                error: Some(
+                    "malformed request (not a known op as one JSON object per line)".into(),
+                ),
+                errno: Some(libc::EINVAL),
+                ..Default::default()
+            },
+            Ok(req) => match daemon.handle(req) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(error = %e, "request failed");
+                    ControlResponse {
+                        ok: false,
+                        error: Some(e.to_string()),
+                        errno: Some(e.errno()),
+                        ..Default::default()
+                    }
+                }
+            },
+        };
+        let mut out = serde_json::to_vec(&resp).expect("response serialises");
+        out.push(b'\n');
+        if (&stream).write_all(&out).is_err() {
+            return;
+        }
+    }
+}
+
+fn bind_socket(path: &Path) -> Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| io_err(e, "mkdir", dir))?;
+    }
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            return Err(
+                Error::from_errno(libc::EADDRINUSE, "bind", path.display().to_string())
+                    .detail("another daemon answers on this socket"),
+            );
+        }
+        std::fs::remove_file(path).map_err(|e| io_err(e, "unlink", path))?;
+    }
+    // SAFETY: umask(2) cannot fail; it makes the socket 0600 from birth, so
+    // no one else can connect between bind and chmod.
+    let old = unsafe { libc::umask(0o177) };
+    let l = UnixListener::bind(path);
+    // SAFETY: as above; restores the previous mask.
+    unsafe { libc::umask(old) };
+    let l = l.map_err(|e| io_err(e, "bind", path))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| io_err(e, "chmod", path))?;
+    Ok(l)
+}
+
+/// Runs the daemon until it is killed or its filesystem is unmounted.
+pub fn run(args: FuseMapperArgs) -> Result<()> {
+    crate::k8s::telemetry::init(crate::k8s::telemetry::LogFormat::Text);
+    let state_dir = args.state_dir.clone();
+    std::fs::create_dir_all(&state_dir).map_err(|e| io_err(e, "mkdir", &state_dir))?;
+    std::fs::set_permissions(&state_dir, std::fs::Permissions::from_mode(0o700))
+        .map_err(|e| io_err(e, "chmod", &state_dir))?;
+    let _lock = lock_state_dir(&state_dir)?;
+    let mnt = state_dir.join("mnt");
+
+    let state_path = state_dir.join("state.json");
+    let old: StateFile = match std::fs::read(&state_path) {
+        Ok(data) => serde_json::from_slice(&data).map_err(|e| {
+            Error::invalid(
+                "read",
+                state_path.display().to_string(),
+                format!("bad state file: {e}"),
+            )
+        })?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => StateFile::default(),
+        Err(e) => return Err(io_err(e, "read", &state_path)),
+    };
+    let cleared = recover(&mnt);
+    std::fs::create_dir_all(&mnt).map_err(|e| io_err(e, "mkdir", &mnt))?;
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.io_threads.max(1))
+        .thread_name("fuse-io")
+        .enable_all()
+        .build()
+        .map_err(|e| io_err(e, "start", Path::new("tokio runtime")))?;
+    let fs = Arc::new(Fs {
+        nodes: RwLock::new(BTreeMap::new()),
+        rt: rt.handle().clone(),
+        alive: AtomicBool::new(true),
+    });
+    let session = fk::mount(&mnt, "rbdkit-fuse")?;
+    tracing::info!(
+        mount = %mnt.display(),
+        kernel_minor = session.init.kernel_minor,
+        minor = session.init.minor,
+        max_write = session.init.max_write,
+        threads = args.threads,
+        "FUSE filesystem mounted"
+    );
+    let readers = fk::serve(&session, args.threads, Arc::clone(&fs))?;
+
+    let mut table = Table {
+        next_ino: old.next_ino.max(ROOT_INO + 1),
+        ..Default::default()
+    };
+    for rec in old.attachments {
+        table.stale.insert(rec.volume_id.clone(), rec);
+    }
+    let daemon = Arc::new(Daemon {
+        state_dir: state_dir.clone(),
+        mnt: mnt.clone(),
+        fs: Arc::clone(&fs),
+        table: Mutex::new(table),
+        ops: Mutex::new(()),
+        conns: Mutex::new(HashMap::new()),
+        timeout: args.timeout,
+    });
+    if !cleared.is_empty() || !daemon.lock_table().stale.is_empty() {
+        tracing::info!(
+            cleared_devices = cleared.len(),
+            stale = daemon.lock_table().stale.len(),
+            "recovered from a previous run"
+        );
+    }
+    daemon.save(&daemon.lock_table())?;
+
+    // The filesystem ends when someone unmounts it: mark every mapping dead.
+    {
+        let fs = Arc::clone(&fs);
+        std::thread::spawn(move || {
+            for r in readers {
+                let _ = r.join();
+            }
+            fs.alive.store(false, Ordering::SeqCst);
+            tracing::error!("the FUSE filesystem was unmounted; mappings are dead");
+        });
+    }
+    // SIGTERM/SIGINT: flush every image, then exit. Mappings end with the
+    // process either way; flushing keeps what librbd still caches.
+    {
+        let daemon = Arc::clone(&daemon);
+        rt.spawn(async move {
+            use tokio::signal::unix::{signal, SignalKind};
+            let (Ok(mut term), Ok(mut int)) = (
+                signal(SignalKind::terminate()),
+                signal(SignalKind::interrupt()),
+            ) else {
+                return;
+            };
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            let images: Vec<Arc<Image>> = daemon
+                .lock_table()
+                .live
+                .values()
+                .map(|l| Arc::clone(&l.node.image))
+                .collect();
+            for img in images {
+                let _ = img.aio_flush().await;
+            }
+            // The connection dies with us; do not leave a dead mount behind.
+            let _ = fk::unmount_lazy(&daemon.mnt);
+            tracing::info!("stopping on signal");
+            std::process::exit(0);
+        });
+    }
+
+    let listener = bind_socket(&args.socket)?;
+    tracing::info!(socket = %args.socket.display(), state_dir = %state_dir.display(), "fuse-mapper ready");
+    for stream in listener.incoming() {
+        let Ok(stream) = stream else { continue };
+        let daemon = Arc::clone(&daemon);
+        std::thread::spawn(move || serve_client(&daemon, stream));
+    }
+    Ok(())
+}

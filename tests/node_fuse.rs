@@ -1,0 +1,599 @@
+//! The `rbdkit-fuse` mapper end to end: the real daemon binary, a real Ceph
+//! cluster, real FUSE and real loop devices. Data through the device and
+//! through the library agree; attach and detach are idempotent; an fsynced
+//! file in ext4 on the device survives a `kill -9` of the daemon; a grown
+//! image grows the device; a dead daemon fails fast; a dead mapping is
+//! reported unhealthy and its old device fails I/O; the key is nowhere but
+//! the socket.
+
+mod support;
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rbdkit::node::fuse::{ControlRequest, FuseMapper};
+use rbdkit::node::{loopdev, MapSpec, Mapper};
+use rbdkit::rados::Secret;
+use rbdkit::rbd::{self, Image, ImageOptions};
+use support::ceph::{TestCluster, TestNs, POOL};
+use support::data::pattern;
+
+const MIB: u64 = 1 << 20;
+
+/// A running `rbdkit fuse-mapper` with its own state dir and socket. Drop
+/// kills it and clears its loop devices and mounts, also after a failure.
+struct Daemon {
+    dir: PathBuf,
+    child: Option<Child>,
+    runs: u32,
+    mounts: Vec<PathBuf>,
+}
+
+impl Daemon {
+    fn start(dir: &Path) -> Daemon {
+        let mut d = Daemon {
+            dir: dir.to_path_buf(),
+            child: None,
+            runs: 0,
+            mounts: Vec::new(),
+        };
+        d.spawn();
+        d
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.join("mapper.sock")
+    }
+
+    fn state_dir(&self) -> PathBuf {
+        self.dir.join("state")
+    }
+
+    fn log(&self, run: u32) -> PathBuf {
+        self.dir.join(format!("daemon-{run}.log"))
+    }
+
+    fn mapper(&self) -> FuseMapper {
+        FuseMapper::new(self.socket())
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().expect("daemon running").id()
+    }
+
+    /// Starts the daemon (again) and waits until it answers `ping`.
+    fn spawn(&mut self) {
+        self.runs += 1;
+        let log = File::create(self.log(self.runs)).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_rbdkit"))
+            .arg("fuse-mapper")
+            .arg("--socket")
+            .arg(self.socket())
+            .arg("--state-dir")
+            .arg(self.state_dir())
+            .arg("--threads")
+            .arg("3")
+            .env("RUST_LOG", "debug")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start rbdkit fuse-mapper");
+        let pid = child.id();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(p) = self.mapper().ping() {
+                assert_eq!(
+                    p,
+                    pid,
+                    "another daemon answers on {}",
+                    self.socket().display()
+                );
+                return;
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!(
+                    "fuse-mapper exited with {status}:\n{}",
+                    std::fs::read_to_string(self.log(self.runs)).unwrap_or_default()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "fuse-mapper did not answer ping in 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `kill -9`, and reap it.
+    fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn all_logs(&self) -> String {
+        (1..=self.runs)
+            .map(|r| std::fs::read_to_string(self.log(r)).unwrap_or_default())
+            .collect()
+    }
+
+    /// Mounts `dev` at a new folder with the `mount` CLI; unmounted on drop.
+    fn mount(&mut self, dev: &Path, name: &str) -> PathBuf {
+        let m = self.dir.join(name);
+        std::fs::create_dir_all(&m).unwrap();
+        run("mount", &[dev.to_str().unwrap(), m.to_str().unwrap()]);
+        self.mounts.push(m.clone());
+        m
+    }
+
+    fn umount(&mut self, m: &Path) {
+        run("umount", &[m.to_str().unwrap()]);
+        self.mounts.retain(|x| x != m);
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        for m in self.mounts.drain(..) {
+            let _ = Command::new("umount").arg("-l").arg(&m).status();
+        }
+        self.kill9();
+        let mnt = self.state_dir().join("mnt");
+        for (dev, backing) in loopdev::list() {
+            if backing.starts_with(&mnt) {
+                let _ = loopdev::detach(&dev);
+            }
+        }
+        let _ = Command::new("umount").arg("-l").arg(&mnt).status();
+    }
+}
+
+fn run(cmd: &str, args: &[&str]) {
+    let out = Command::new(cmd).args(args).output().expect(cmd);
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn tempdir(test: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("node-fuse-{test}-"))
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .unwrap()
+}
+
+fn monitors() -> Vec<String> {
+    let mons = TestCluster::get()
+        .conf_value("mon host")
+        .expect("mon host in the test ceph.conf");
+    mons.split([',', ' '])
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+fn spec(ns: &TestNs, volume_id: &str, image: &str) -> MapSpec {
+    MapSpec {
+        volume_id: volume_id.into(),
+        monitors: monitors(),
+        user: "admin".into(),
+        key: Secret::new(TestCluster::get().admin_key()),
+        pool: POOL.into(),
+        namespace: ns.name.clone(),
+        image: image.into(),
+        snapshot: None,
+        read_only: false,
+        options: Vec::new(),
+    }
+}
+
+/// A 4096-aligned buffer for O_DIRECT, without unsafe.
+struct Aligned {
+    buf: Vec<u8>,
+    off: usize,
+    len: usize,
+}
+
+impl Aligned {
+    fn new(len: usize) -> Aligned {
+        let buf = vec![0u8; len + 4096];
+        let off = buf.as_ptr().align_offset(4096);
+        Aligned { buf, off, len }
+    }
+    fn get(&mut self) -> &mut [u8] {
+        &mut self.buf[self.off..self.off + self.len]
+    }
+}
+
+fn open_direct(dev: &Path, write: bool) -> File {
+    OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(libc::O_DIRECT)
+        .open(dev)
+        .unwrap_or_else(|e| panic!("open {} O_DIRECT: {e}", dev.display()))
+}
+
+fn read_direct(dev: &Path, offset: u64, len: usize) -> std::io::Result<Vec<u8>> {
+    let f = open_direct(dev, false);
+    let mut a = Aligned::new(len);
+    f.read_exact_at(a.get(), offset)?;
+    Ok(a.get().to_vec())
+}
+
+fn write_direct(dev: &Path, offset: u64, data: &[u8]) {
+    let f = open_direct(dev, true);
+    let mut a = Aligned::new(data.len());
+    a.get().copy_from_slice(data);
+    f.write_all_at(a.get(), offset).unwrap();
+    f.sync_all().unwrap();
+}
+
+fn device_size(dev: &Path) -> u64 {
+    let mut f = File::open(dev).unwrap();
+    f.seek(SeekFrom::End(0)).unwrap()
+}
+
+#[test]
+fn attach_reads_and_writes_both_ways_and_is_idempotent() {
+    let ns = TestNs::new("fuse-io");
+    let tmp = tempdir("io");
+    let d = Daemon::start(tmp.path());
+    let mapper = d.mapper();
+    rbd::create(&ns.ioctx, "img", 64 * MIB, &ImageOptions::new()).unwrap();
+    let from_lib = pattern(1, MIB as usize);
+    {
+        let img = Image::open(&ns.ioctx, "img").unwrap();
+        img.write(MIB, &from_lib).unwrap();
+        img.close().unwrap();
+    }
+
+    let s = spec(&ns, "vol-io", "img");
+    let dev = mapper.map(&s).unwrap();
+    assert!(
+        dev.to_str().unwrap().starts_with("/dev/loop"),
+        "{}",
+        dev.display()
+    );
+    assert_eq!(device_size(&dev), 64 * MIB);
+    assert_eq!(loopdev::size(&dev), Some(64 * MIB));
+    // No double caching: the loop device does direct I/O on the FUSE file.
+    assert!(
+        loopdev::direct_io(&dev),
+        "/sys/block/{}/loop/dio is not 1",
+        dev.display()
+    );
+    let st = mapper
+        .status("vol-io")
+        .unwrap()
+        .expect("status of an attached volume");
+    assert!(st.healthy && st.direct_io, "{st:?}");
+    assert_eq!(st.device.as_deref(), Some(dev.to_str().unwrap()));
+    mapper.check("vol-io", &dev).unwrap();
+
+    // Library -> device.
+    assert_eq!(read_direct(&dev, MIB, MIB as usize).unwrap(), from_lib);
+    // Device -> library, including a 4 MiB write (several FUSE requests).
+    let from_dev = pattern(2, 4 * MIB as usize);
+    write_direct(&dev, 8 * MIB, &from_dev);
+    {
+        let img = Image::open(&ns.ioctx, "img").unwrap();
+        let mut back = vec![0u8; from_dev.len()];
+        img.read_exact(8 * MIB, &mut back).unwrap();
+        assert!(
+            back == from_dev,
+            "data written through the device differs in the image"
+        );
+        img.close().unwrap();
+    }
+
+    // Attach again: the same device.
+    assert_eq!(mapper.map(&s).unwrap(), dev);
+    assert_eq!(mapper.find("vol-io").unwrap(), Some(dev.clone()));
+    // The same volume id for another image is refused.
+    rbd::create(&ns.ioctx, "other", MIB, &ImageOptions::new()).unwrap();
+    let err = mapper.map(&spec(&ns, "vol-io", "other")).unwrap_err();
+    assert!(err.to_string().contains("already attached"), "{err}");
+
+    let file = PathBuf::from(&st.file);
+    mapper.unmap("vol-io", &[]).unwrap();
+    assert_ne!(loopdev::backing_file(&dev).as_deref(), Some(file.as_path()));
+    assert!(
+        loopdev::find_by_backing_file(&file).is_empty(),
+        "a loop device still backs {}",
+        file.display()
+    );
+    assert!(
+        !file.exists(),
+        "{} still exists after detach",
+        file.display()
+    );
+    assert_eq!(mapper.status("vol-io").unwrap(), None);
+    assert_eq!(mapper.find("vol-io").unwrap(), None);
+    mapper.unmap("vol-io", &[]).unwrap();
+    assert!(mapper.list().unwrap().is_empty());
+}
+
+#[test]
+fn fsynced_file_survives_kill9_of_the_daemon() {
+    let ns = TestNs::new("fuse-kill");
+    let tmp = tempdir("kill");
+    let mut d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 256 * MIB, &ImageOptions::new()).unwrap();
+    let s = spec(&ns, "vol-kill", "img");
+    let dev = d.mapper().map(&s).unwrap();
+    run("mkfs.ext4", &["-q", dev.to_str().unwrap()]);
+    let m = d.mount(&dev, "m1");
+    let content = pattern(3, 3 * MIB as usize + 123);
+    {
+        let mut f = File::create(m.join("data")).unwrap();
+        f.write_all(&content).unwrap();
+        f.sync_all().unwrap();
+        let dir = File::open(&m).unwrap();
+        dir.sync_all().unwrap();
+    }
+    // At once after fsync returned.
+    d.kill9();
+
+    // The old device no longer reaches the image: uncached reads fail.
+    let err = read_direct(&dev, 0, 4096).expect_err("the dead mapping still served a read");
+    assert!(
+        matches!(err.raw_os_error(), Some(libc::EIO | libc::ENOTCONN)),
+        "reading the dead device: {err}"
+    );
+    // A dead daemon: the mapper fails fast, naming the socket.
+    let t = Instant::now();
+    let err = d.mapper().map(&s).unwrap_err();
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert!(
+        err.to_string().contains(&d.socket().display().to_string()),
+        "{err}"
+    );
+    assert!(d.mapper().check("vol-kill", &dev).is_err());
+
+    d.umount(&m);
+    d.spawn();
+    // The restarted daemon remembers the volume and reports it dead.
+    let st = d
+        .mapper()
+        .status("vol-kill")
+        .unwrap()
+        .expect("status after restart");
+    assert!(!st.healthy, "{st:?}");
+    assert!(
+        st.reason.as_deref().unwrap_or("").contains("restarted"),
+        "{st:?}"
+    );
+    let cond = d.mapper().check("vol-kill", &dev).unwrap_err();
+    assert!(cond.contains("attach the volume again"), "{cond}");
+    assert_eq!(d.mapper().find("vol-kill").unwrap(), None);
+
+    let dev2 = d.mapper().map(&s).unwrap();
+    let m = d.mount(&dev2, "m2");
+    let back = std::fs::read(m.join("data")).unwrap();
+    assert!(
+        back == content,
+        "the fsynced file differs after kill -9 and restart"
+    );
+    assert!(d.mapper().status("vol-kill").unwrap().unwrap().healthy);
+    d.umount(&m);
+    d.mapper().unmap("vol-kill", &[]).unwrap();
+}
+
+#[test]
+fn restart_with_the_old_filesystem_still_mounted() {
+    let ns = TestNs::new("fuse-busy");
+    let tmp = tempdir("busy");
+    let mut d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 128 * MIB, &ImageOptions::new()).unwrap();
+    let s = spec(&ns, "vol-busy", "img");
+    let dev = d.mapper().map(&s).unwrap();
+    run("mkfs.ext4", &["-q", dev.to_str().unwrap()]);
+    let m1 = d.mount(&dev, "m1");
+    std::fs::write(m1.join("f"), b"kept").unwrap();
+    File::open(m1.join("f")).unwrap().sync_all().unwrap();
+    let old_name = loopdev::backing_file(&dev)
+        .unwrap()
+        .file_name()
+        .unwrap()
+        .to_owned();
+    let still_bound = || loopdev::backing_file(&dev).is_some_and(|b| b.ends_with(&old_name));
+    d.kill9();
+    // The old filesystem stays mounted on the dead device across the restart.
+    d.spawn();
+    // Not torn down under its user: still bound while mounted (the kernel
+    // shows the file relative to the detached old mount now).
+    assert!(still_bound(), "{:?}", loopdev::backing_file(&dev));
+    let dev2 = d.mapper().map(&s).unwrap();
+    assert_ne!(dev2, dev, "a device still held by a mount was reused");
+    let m2 = d.mount(&dev2, "m2");
+    assert_eq!(std::fs::read(m2.join("f")).unwrap(), b"kept");
+    // The old device goes away on its last close.
+    d.umount(&m1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while still_bound() {
+        assert!(
+            Instant::now() < deadline,
+            "{} not cleared after its last close",
+            dev.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // A mounted device is not detached.
+    let err = d.mapper().unmap("vol-busy", &[]).unwrap_err();
+    assert!(err.to_string().contains("unmount it first"), "{err}");
+    d.umount(&m2);
+    d.mapper().unmap("vol-busy", &[]).unwrap();
+}
+
+#[test]
+fn refresh_grows_the_device() {
+    let ns = TestNs::new("fuse-grow");
+    let tmp = tempdir("grow");
+    let d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 32 * MIB, &ImageOptions::new()).unwrap();
+    let dev = d.mapper().map(&spec(&ns, "vol-grow", "img")).unwrap();
+    assert_eq!(device_size(&dev), 32 * MIB);
+    {
+        let img = Image::open(&ns.ioctx, "img").unwrap();
+        img.resize(80 * MIB).unwrap();
+        img.close().unwrap();
+    }
+    assert_eq!(d.mapper().refresh_size("vol-grow").unwrap(), 80 * MIB);
+    assert_eq!(device_size(&dev), 80 * MIB);
+    let tail = pattern(4, MIB as usize);
+    write_direct(&dev, 79 * MIB, &tail);
+    assert_eq!(read_direct(&dev, 79 * MIB, MIB as usize).unwrap(), tail);
+    assert_eq!(
+        d.mapper().status("vol-grow").unwrap().unwrap().size,
+        80 * MIB
+    );
+    // Refreshing what is not attached says so.
+    let err = d.mapper().refresh_size("nope").unwrap_err();
+    assert!(err.to_string().contains("not attached"), "{err}");
+    d.mapper().unmap("vol-grow", &[]).unwrap();
+}
+
+#[test]
+fn no_daemon_fails_fast_with_the_socket_named() {
+    let tmp = tempdir("none");
+    let sock = tmp.path().join("absent.sock");
+    let mapper = FuseMapper::new(&sock);
+    let t = Instant::now();
+    for err in [
+        mapper.find("v").unwrap_err().to_string(),
+        mapper.unmap("v", &[]).unwrap_err().to_string(),
+        mapper.refresh_size("v").unwrap_err().to_string(),
+        mapper.check("v", Path::new("/dev/loop0")).unwrap_err(),
+    ] {
+        assert!(err.contains(&sock.display().to_string()), "{err}");
+        assert!(err.contains("not reachable"), "{err}");
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "took {:?}",
+        t.elapsed()
+    );
+}
+
+#[test]
+fn the_key_is_nowhere_but_the_socket() {
+    let ns = TestNs::new("fuse-key");
+    let tmp = tempdir("key");
+    let d = Daemon::start(tmp.path());
+    let key = TestCluster::get().admin_key();
+    let mode = std::fs::metadata(d.socket()).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "socket mode {mode:o}");
+
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    let s = spec(&ns, "vol-key", "img");
+    d.mapper().map(&s).unwrap();
+    // Failures are logged too: a missing image, a bad pool, a wrong key, a
+    // malformed request that carries the key.
+    assert!(d.mapper().map(&spec(&ns, "vol-missing", "nope")).is_err());
+    let mut bad_pool = spec(&ns, "vol-pool", "img");
+    bad_pool.pool = "no-such-pool".into();
+    assert!(d.mapper().map(&bad_pool).is_err());
+    let mut stream = std::os::unix::net::UnixStream::connect(d.socket()).unwrap();
+    writeln!(
+        stream,
+        "{{\"op\":\"attach\",\"key\":\"{key}\",\"volume_id\":3}}"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let _ = std::io::BufReader::new(&stream).read_to_string(&mut answer);
+    let r = d
+        .mapper()
+        .call(&ControlRequest::List, Duration::from_secs(10))
+        .unwrap();
+    assert_eq!(r.attachments.len(), 1);
+
+    let pid = d.pid();
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let logs = d.all_logs();
+    assert!(logs.contains("attached"), "the log is empty? {logs}");
+    let needle = key.as_bytes();
+    let has = |hay: &[u8]| hay.windows(needle.len()).any(|w| w == needle);
+    assert!(!has(&cmdline), "key in the daemon's cmdline");
+    assert!(!has(&environ), "key in the daemon's environment");
+    assert!(!has(logs.as_bytes()), "key in the daemon's log");
+    assert!(
+        !has(answer.as_bytes()),
+        "key echoed in an error answer: {answer}"
+    );
+    let mnt = d.state_dir().join("mnt");
+    let mut stack = vec![d.state_dir()];
+    let mut files = 0;
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).unwrap().flatten() {
+            let p = e.path();
+            if p == mnt {
+                continue; // the image data, not state
+            }
+            if p.is_dir() {
+                stack.push(p);
+            } else if let Ok(data) = std::fs::read(&p) {
+                files += 1;
+                assert!(!has(&data), "key in {}", p.display());
+            }
+        }
+    }
+    assert!(files >= 1, "no state file was written");
+    d.mapper().unmap("vol-key", &[]).unwrap();
+}
+
+#[test]
+fn read_only_and_snapshot_mappings_refuse_writes() {
+    let ns = TestNs::new("fuse-ro");
+    let tmp = tempdir("ro");
+    let d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    let data = pattern(5, MIB as usize);
+    {
+        let img = Image::open(&ns.ioctx, "img").unwrap();
+        img.write(0, &data).unwrap();
+        img.snap_create("s1").unwrap();
+        img.write(0, &pattern(6, MIB as usize)).unwrap();
+        img.close().unwrap();
+    }
+    let mut s = spec(&ns, "vol-snap", "img");
+    s.snapshot = Some("s1".into());
+    let dev = d.mapper().map(&s).unwrap();
+    assert_eq!(read_direct(&dev, 0, MIB as usize).unwrap(), data);
+    let ro = format!(
+        "/sys/block/{}/ro",
+        dev.file_name().unwrap().to_str().unwrap()
+    );
+    assert_eq!(std::fs::read_to_string(&ro).unwrap().trim(), "1", "{ro}");
+    // The block layer refuses the write (EPERM) before it reaches us.
+    let f = open_direct(&dev, true);
+    let mut a = Aligned::new(4096);
+    let err = f
+        .write_all_at(a.get(), 0)
+        .expect_err("a write to a snapshot mapping succeeded");
+    assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{err}");
+    drop(f);
+    // And the FUSE file itself refuses a writable open.
+    let st = d.mapper().status("vol-snap").unwrap().unwrap();
+    let err = OpenOptions::new().write(true).open(&st.file).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{err}");
+    assert!(d.mapper().status("vol-snap").unwrap().unwrap().read_only);
+    d.mapper().unmap("vol-snap", &[]).unwrap();
+}
