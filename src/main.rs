@@ -22,6 +22,8 @@ enum Command {
     Image(rbdkit::cli::ImageArgs),
     /// Run the Kubernetes provisioner (PVC -> RBD image -> PV).
     Provisioner(rbdkit::provisioner::ProvisionerArgs),
+    /// Run the CSI driver (Identity, Controller and Node services).
+    Csi(rbdkit::csi::CsiArgs),
     /// Run the rbdkit-fuse mapper daemon (RBD images as loop devices over FUSE).
     FuseMapper(rbdkit::node::fuse_daemon::FuseMapperArgs),
 }
@@ -43,24 +45,28 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Command::Provisioner(args) => {
-            let rt = match tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-            {
-                Ok(rt) => rt,
-                Err(e) => {
-                    eprintln!("rbdkit: cannot start the async runtime: {e}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            match rt.block_on(rbdkit::provisioner::run(args)) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("rbdkit: {e:#}");
-                    ExitCode::FAILURE
-                }
-            }
+        Command::Provisioner(args) => serve(rbdkit::provisioner::run(args)),
+        Command::Csi(args) => serve(rbdkit::csi::run(args)),
+    }
+}
+
+/// Runs a long-lived service on a multi-threaded runtime.
+fn serve(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("rbdkit: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(fut) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rbdkit: {e:#}");
+            ExitCode::FAILURE
         }
     }
 }

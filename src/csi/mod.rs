@@ -1,3 +1,317 @@
-//! The CSI v1 driver: gRPC Identity, Controller and Node services over a
-//! unix socket, on the code generated from the pinned `csi.proto` in [`proto`].
+//! The CSI driver: `rbdkit csi`, a CSI v1 gRPC server with the Identity,
+//! Controller and Node services.
+//!
+//! - [`proto`]: code generated from the CSI spec's `csi.proto`;
+//! - [`driver`]: the state the services share, and error mapping;
+//! - [`identity`], [`controller`], [`node`]: the services.
+//!
+//! The controller calls the same volume operations as the provisioner
+//! ([`crate::volume`]); the node service maps images through a
+//! [`crate::node::Mapper`] and mounts them with [`crate::node`]. With
+//! `--mode node` the server holds no volume state of its own beyond the
+//! stash files under the staging paths: the userspace mapper runs in its own
+//! process (`rbdkit fuse-mapper`), so restarting this server does not touch
+//! a mounted volume.
+
+pub mod controller;
+pub mod driver;
+pub mod identity;
+pub mod node;
 pub mod proto;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio_stream::wrappers::UnixListenerStream;
+
+use crate::blocking::BlockingPool;
+use crate::k8s::telemetry::{self, LogFormat};
+use crate::node::Mapper;
+use crate::volume::clusters::{ClustersFile, Connections};
+use crate::volume::NoMetrics;
+
+/// Which services the server offers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Mode {
+    /// Identity + Node (the DaemonSet on every node).
+    Node,
+    /// Identity + Controller (behind external-provisioner, or for tests).
+    Controller,
+    /// All three (csi-sanity, single-node clusters).
+    All,
+}
+
+/// Command-line arguments of `rbdkit csi`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CsiArgs {
+    /// Where to listen: `unix:///path/to/csi.sock` (or a plain path).
+    #[arg(long, default_value = "unix:///csi/csi.sock")]
+    pub endpoint: String,
+
+    /// This node's id, as NodeGetInfo reports it (usually the node name).
+    #[arg(long, env = "NODE_ID", default_value = "")]
+    pub node_id: String,
+
+    /// Which services to offer.
+    #[arg(long, value_enum, default_value = "all")]
+    pub mode: Mode,
+
+    /// ceph-csi's config.json: the clusters and their monitors.
+    #[arg(long, value_name = "FILE")]
+    pub clusters_config: PathBuf,
+
+    /// The driver name.
+    #[arg(long, default_value = "rbd.rbdkit.io")]
+    pub driver_name: String,
+
+    /// The socket of the userspace mapper (`rbdkit fuse-mapper`).
+    #[arg(long, default_value = "/run/rbdkit/mapper.sock")]
+    pub mapper_socket: PathBuf,
+
+    /// Where the node service keeps its index of staged volumes.
+    #[arg(long, default_value = "/var/lib/rbdkit/csi")]
+    pub state_dir: PathBuf,
+
+    /// The mapper for volumes whose class names none: `krbd` or
+    /// `rbdkit-fuse` (default: krbd where /sys/bus/rbd exists).
+    #[arg(long)]
+    pub default_mapper: Option<String>,
+
+    /// The sysfs root krbd works under (a fake tree in tests).
+    #[arg(long, default_value = "/sys", hide = true)]
+    pub sysfs_root: PathBuf,
+
+    /// The /dev root krbd devices appear under (a fake tree in tests).
+    #[arg(long, default_value = "/dev", hide = true)]
+    pub dev_root: PathBuf,
+
+    /// A topology segment this node reports, `KEY=VALUE` (repeatable).
+    #[arg(long = "topology", value_name = "KEY=VALUE")]
+    pub topology: Vec<String>,
+
+    /// Log format: text or json.
+    #[arg(long, default_value = "text")]
+    pub log_format: LogFormat,
+
+    /// Threads for blocking Ceph calls.
+    #[arg(long, default_value_t = 8)]
+    pub ceph_threads: usize,
+
+    /// Bound on connecting to a Ceph cluster.
+    #[arg(long, default_value = "10s")]
+    pub ceph_connect_timeout: humantime::Duration,
+
+    /// Bound on every Ceph operation.
+    #[arg(long, default_value = "30s")]
+    pub ceph_op_timeout: humantime::Duration,
+
+    /// Bound on each readiness check of Probe.
+    #[arg(long, default_value = "2s")]
+    pub probe_timeout: humantime::Duration,
+}
+
+/// The socket path of an endpoint (`unix:///p`, `unix:/p` or `/p`).
+pub fn socket_path(endpoint: &str) -> anyhow::Result<PathBuf> {
+    let p = endpoint
+        .strip_prefix("unix://")
+        .or_else(|| endpoint.strip_prefix("unix:"))
+        .unwrap_or(endpoint);
+    anyhow::ensure!(
+        p.starts_with('/'),
+        "--endpoint {endpoint:?} is not unix:///absolute/path"
+    );
+    Ok(PathBuf::from(p))
+}
+
+fn parse_topology(items: &[String]) -> anyhow::Result<BTreeMap<String, String>> {
+    items
+        .iter()
+        .map(|kv| {
+            let (k, v) = kv
+                .split_once('=')
+                .with_context(|| format!("--topology {kv:?} is not KEY=VALUE"))?;
+            anyhow::ensure!(!k.is_empty(), "--topology {kv:?} has an empty key");
+            Ok((k.to_owned(), v.to_owned()))
+        })
+        .collect()
+}
+
+/// Binds the socket, replacing a stale one left by a killed server.
+fn bind(path: &Path) -> anyhow::Result<tokio::net::UnixListener> {
+    use std::os::unix::fs::FileTypeExt;
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    if let Ok(m) = std::fs::symlink_metadata(path) {
+        anyhow::ensure!(
+            m.file_type().is_socket(),
+            "{} exists and is not a socket; refusing to replace it",
+            path.display()
+        );
+        std::fs::remove_file(path).with_context(|| format!("removing {}", path.display()))?;
+    }
+    tokio::net::UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))
+}
+
+/// The mappers this node can use, and the default.
+fn mappers(args: &CsiArgs) -> anyhow::Result<(Vec<Arc<dyn Mapper>>, String)> {
+    let krbd_ok = args.sysfs_root.join("bus/rbd").exists();
+    let mut list: Vec<Arc<dyn Mapper>> = vec![Arc::new(crate::node::fuse::FuseMapper::new(
+        args.mapper_socket.clone(),
+    ))];
+    if krbd_ok {
+        list.push(Arc::new(crate::node::krbd::KrbdMapper::with_roots(
+            args.sysfs_root.clone(),
+            args.dev_root.clone(),
+        )));
+    }
+    let default = match &args.default_mapper {
+        Some(m) => crate::volume::params::mapper_for(m)
+            .map_err(|e| anyhow::anyhow!("--default-mapper: {}", e.why))?
+            .to_owned(),
+        None if krbd_ok => "krbd".to_owned(),
+        None => "rbdkit-fuse".to_owned(),
+    };
+    anyhow::ensure!(
+        list.iter().any(|m| m.name() == default),
+        "--default-mapper {default}: not available here (no {}/bus/rbd)",
+        args.sysfs_root.display()
+    );
+    Ok((list, default))
+}
+
+/// Runs the server until SIGTERM or SIGINT.
+pub async fn run(args: CsiArgs) -> anyhow::Result<()> {
+    run_until(args, crate::provisioner::shutdown_signal()).await
+}
+
+/// Runs the server until `shutdown` resolves.
+pub async fn run_until(
+    args: CsiArgs,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    use proto::{
+        controller_server::ControllerServer, identity_server::IdentityServer,
+        node_server::NodeServer,
+    };
+    telemetry::init(args.log_format);
+    let path = socket_path(&args.endpoint)?;
+    if args.mode != Mode::Controller {
+        anyhow::ensure!(
+            !args.node_id.is_empty(),
+            "--node-id is required with --mode node or all"
+        );
+    }
+    let topology = parse_topology(&args.topology)?;
+    let clusters = Arc::new(ClustersFile::load(&args.clusters_config).map_err(anyhow::Error::msg)?);
+    let pool = BlockingPool::new(args.ceph_threads);
+    let conns = Arc::new(Connections::new(
+        pool.clone(),
+        args.ceph_connect_timeout.into(),
+        args.ceph_op_timeout.into(),
+        Arc::new(NoMetrics),
+    ));
+    let driver = Arc::new(driver::Driver::new(
+        args.driver_name.clone(),
+        args.node_id.clone(),
+        topology,
+        Arc::clone(&clusters),
+        Arc::clone(&conns),
+        pool,
+        Arc::new(NoMetrics),
+    ));
+
+    let with_controller = args.mode != Mode::Node;
+    let with_node = args.mode != Mode::Controller;
+    let mut ready_check: Option<identity::ReadyCheck> = None;
+    let node_service = if with_node {
+        let (list, default) = mappers(&args)?;
+        std::fs::create_dir_all(&args.state_dir)
+            .with_context(|| format!("creating {}", args.state_dir.display()))?;
+        if let Some(m) = list.iter().find(|m| m.name() == default).cloned() {
+            ready_check = Some(Arc::new(move || {
+                m.find("").map(|_| ()).map_err(|e| e.to_string())
+            }));
+        }
+        Some(node::NodeService::new(
+            Arc::clone(&driver),
+            list,
+            default,
+            args.state_dir.clone(),
+        ))
+    } else {
+        None
+    };
+
+    let listener = bind(&path)?;
+    tracing::info!(endpoint = %path.display(), mode = ?args.mode, driver = %args.driver_name, "serving CSI");
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let config_watch = tokio::spawn({
+        let clusters = Arc::clone(&clusters);
+        let mut rx = stop_rx.clone();
+        async move {
+            clusters
+                .watch(Duration::from_secs(5), async move {
+                    let _ = rx.changed().await;
+                })
+                .await
+        }
+    });
+    let reaper = tokio::spawn({
+        let conns = Arc::clone(&conns);
+        let mut rx = stop_rx.clone();
+        async move {
+            conns
+                .reap_idle(Duration::from_secs(300), async move {
+                    let _ = rx.changed().await;
+                })
+                .await
+        }
+    });
+
+    let identity = identity::IdentityService::new(
+        Arc::clone(&driver),
+        with_controller,
+        args.probe_timeout.into(),
+        ready_check,
+    );
+    let router = tonic::transport::Server::builder()
+        .add_service(IdentityServer::new(identity))
+        .add_optional_service(with_controller.then(|| {
+            ControllerServer::new(controller::ControllerService::new(Arc::clone(&driver)))
+        }))
+        .add_optional_service(node_service.map(NodeServer::new));
+    let served = router
+        .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
+        .await;
+    let _ = stop_tx.send(true);
+    let _ = config_watch.await;
+    let _ = reaper.await;
+    let _ = std::fs::remove_file(&path);
+    served.context("gRPC server failed")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_and_topology() {
+        assert_eq!(
+            socket_path("unix:///csi/csi.sock").unwrap(),
+            PathBuf::from("/csi/csi.sock")
+        );
+        assert_eq!(
+            socket_path("unix:/a.sock").unwrap(),
+            PathBuf::from("/a.sock")
+        );
+        assert_eq!(socket_path("/b.sock").unwrap(), PathBuf::from("/b.sock"));
+        assert!(socket_path("tcp://1.2.3.4:5").is_err());
+        let t = parse_topology(&["topology.rbd.rbdkit.io/zone=a".into()]).unwrap();
+        assert_eq!(t["topology.rbd.rbdkit.io/zone"], "a");
+        assert!(parse_topology(&["novalue".into()]).is_err());
+    }
+}

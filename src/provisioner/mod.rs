@@ -143,7 +143,7 @@ pub async fn run(args: ProvisionerArgs) -> anyhow::Result<()> {
     run_until(args, shutdown_signal()).await
 }
 
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             Ok(mut s) => {

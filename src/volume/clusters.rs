@@ -102,6 +102,11 @@ impl ClustersConfig {
         self.clusters.get(cluster_id)
     }
 
+    /// The cluster ids, in no particular order.
+    pub fn ids(&self) -> Vec<String> {
+        self.clusters.keys().cloned().collect()
+    }
+
     /// How many clusters there are.
     pub fn len(&self) -> usize {
         self.clusters.len()

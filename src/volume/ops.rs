@@ -444,3 +444,64 @@ pub fn owner_metadata(image: &Image) -> crate::Result<BTreeMap<String, String>> 
         .filter(|(k, _)| k.starts_with("rbdkit."))
         .collect())
 }
+
+/// The PV name recorded in the owner metadata of the image of `vol` (or of
+/// its temporary image, or of a trash entry with its name), for callers
+/// that have only the volume handle (CSI `DeleteVolume`,
+/// `ControllerExpandVolume`). `None` when there is no such image at all;
+/// an error when the image exists but carries no record of `provisioner`.
+pub fn recorded_pv_name(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    vol: &VolumeId,
+    provisioner: &str,
+) -> Result<Option<String>, VolumeError> {
+    let io = ioctx(cluster, metrics, vol)?;
+    let read = |image: &Image, name: &str| -> Result<String, VolumeError> {
+        let meta = timed(metrics, "metadata_list", || image.metadata_list())?;
+        match (meta.get(META_PROVISIONER), meta.get(META_PV)) {
+            (Some(p), Some(pv)) if p == provisioner => Ok(pv.clone()),
+            (Some(p), _) => Err(VolumeError::NotOwned {
+                image: name.to_owned(),
+                why: format!("it belongs to provisioner {p:?}"),
+            }),
+            _ => Err(VolumeError::NotOwned {
+                image: name.to_owned(),
+                why: "it has no rbdkit owner metadata".into(),
+            }),
+        }
+    };
+    if let Some(image) = open_if_exists(&io, metrics, &vol.image)? {
+        return read(&image, &vol.image).map(Some);
+    }
+    let temp = format!("{}{TEMP_SUFFIX}", vol.image);
+    if let Some(image) = open_if_exists(&io, metrics, &temp)? {
+        // Cut short before its metadata: its name is derived from the
+        // request, so it can only be ours; deleting cleans it up.
+        return match read(&image, &temp) {
+            Ok(pv) => Ok(Some(pv)),
+            Err(VolumeError::NotOwned { .. }) => {
+                let meta = timed(metrics, "metadata_list", || image.metadata_list())?;
+                if meta.keys().any(|k| k.starts_with("rbdkit.")) {
+                    Err(VolumeError::NotOwned {
+                        image: temp,
+                        why: "its owner metadata names someone else".into(),
+                    })
+                } else {
+                    Ok(Some(String::new()))
+                }
+            }
+            Err(e) => Err(e),
+        };
+    }
+    let entries = timed(metrics, "trash_list", || rbd::trash_list(&io))?;
+    for entry in entries.iter().filter(|e| e.name == vol.image) {
+        let image = timed(metrics, "open", || {
+            Image::open_by_id_read_only(&io, &entry.id)
+        })?;
+        if let Ok(pv) = read(&image, &vol.image) {
+            return Ok(Some(pv));
+        }
+    }
+    Ok(None)
+}

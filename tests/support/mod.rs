@@ -3,6 +3,8 @@
 #![allow(dead_code)]
 
 pub mod ceph;
+#[cfg(feature = "service")]
+pub mod csi;
 pub mod data;
 #[cfg(feature = "service")]
 pub mod k8s;

@@ -1,0 +1,625 @@
+//! The CSI Controller service: create, delete, expand, validate, list
+//! volumes and report capacity, through the same volume operations the
+//! provisioner uses ([`crate::volume::ops`]), with the same ownership
+//! records and crash safety.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use tonic::{Request, Response, Status};
+
+use crate::csi::driver::{required, volume_id, volume_status, Driver};
+use crate::csi::proto::{
+    controller_server::Controller, controller_service_capability, list_volumes_response,
+    validate_volume_capabilities_response, volume_capability, CapacityRange,
+    ControllerExpandVolumeRequest, ControllerExpandVolumeResponse,
+    ControllerGetCapabilitiesRequest, ControllerGetCapabilitiesResponse,
+    ControllerGetVolumeRequest, ControllerGetVolumeResponse, ControllerModifyVolumeRequest,
+    ControllerModifyVolumeResponse, ControllerPublishVolumeRequest,
+    ControllerPublishVolumeResponse, ControllerServiceCapability, ControllerUnpublishVolumeRequest,
+    ControllerUnpublishVolumeResponse, CreateSnapshotRequest, CreateSnapshotResponse,
+    CreateVolumeRequest, CreateVolumeResponse, DeleteSnapshotRequest, DeleteSnapshotResponse,
+    DeleteVolumeRequest, DeleteVolumeResponse, GetCapacityRequest, GetCapacityResponse,
+    GetSnapshotRequest, GetSnapshotResponse, ListSnapshotsRequest, ListSnapshotsResponse,
+    ListVolumesRequest, ListVolumesResponse, ValidateVolumeCapabilitiesRequest,
+    ValidateVolumeCapabilitiesResponse, Volume, VolumeCapability,
+};
+use crate::k8s::quantity::{round_up_mib, MIB};
+use crate::rbd::{self, Image};
+use crate::volume::ops::{self, Owner, VolumeError, META_PROVISIONER};
+use crate::volume::params::{
+    check_access, ClassParams, CLUSTER_ID, POOL, PVC_NAMESPACE_META, PVC_NAME_META,
+};
+use crate::volume::{volume_context, VolumeId};
+
+/// Size of a volume whose request names none.
+pub const DEFAULT_SIZE: u64 = 1 << 30;
+
+/// The Controller service.
+pub struct ControllerService {
+    driver: Arc<Driver>,
+}
+
+impl ControllerService {
+    /// A controller over `driver`.
+    pub fn new(driver: Arc<Driver>) -> ControllerService {
+        ControllerService { driver }
+    }
+}
+
+/// The access mode and volume mode a capability asks for, in Kubernetes'
+/// words, so the provisioner's [`check_access`] rules apply unchanged.
+fn k8s_modes(cap: &VolumeCapability) -> Result<(String, &'static str), Status> {
+    use volume_capability::access_mode::Mode;
+    let mode = cap
+        .access_mode
+        .as_ref()
+        .ok_or_else(|| Status::invalid_argument("a volume capability has no access_mode"))?;
+    let volume_mode = match &cap.access_type {
+        Some(volume_capability::AccessType::Block(_)) => "Block",
+        Some(volume_capability::AccessType::Mount(m)) => {
+            if !matches!(m.fs_type.as_str(), "" | "ext4" | "ext3" | "xfs") {
+                return Err(Status::invalid_argument(format!(
+                    "fs_type {:?} is not supported; use ext4 or xfs",
+                    m.fs_type
+                )));
+            }
+            "Filesystem"
+        }
+        None => {
+            return Err(Status::invalid_argument(
+                "a volume capability has no access_type (block or mount)",
+            ))
+        }
+    };
+    let access = match Mode::try_from(mode.mode) {
+        Ok(Mode::SingleNodeWriter) | Ok(Mode::SingleNodeMultiWriter) => "ReadWriteOnce",
+        Ok(Mode::SingleNodeSingleWriter) => "ReadWriteOncePod",
+        Ok(Mode::SingleNodeReaderOnly) | Ok(Mode::MultiNodeReaderOnly) => "ReadOnlyMany",
+        Ok(Mode::MultiNodeMultiWriter) | Ok(Mode::MultiNodeSingleWriter) => "ReadWriteMany",
+        _ => {
+            return Err(Status::invalid_argument(format!(
+                "access mode {} is not supported",
+                mode.mode
+            )))
+        }
+    };
+    Ok((access.to_owned(), volume_mode))
+}
+
+/// Checks capabilities for a new empty volume (`empty`) or an existing one.
+fn check_caps(caps: &[VolumeCapability], empty: bool) -> Result<(), Status> {
+    if caps.is_empty() {
+        return Err(Status::invalid_argument("volume_capabilities is empty"));
+    }
+    for cap in caps {
+        let (access, volume_mode) = k8s_modes(cap)?;
+        if !empty && access == "ReadOnlyMany" {
+            continue;
+        }
+        check_access(&[access], volume_mode).map_err(Status::invalid_argument)?;
+    }
+    Ok(())
+}
+
+/// The size to create for a capacity range, rounded up to whole MiB.
+fn size_for(range: Option<&CapacityRange>) -> Result<(u64, u64, u64), Status> {
+    let (req, limit) = match range {
+        Some(r) => (r.required_bytes, r.limit_bytes),
+        None => (0, 0),
+    };
+    if req < 0 || limit < 0 {
+        return Err(Status::out_of_range("capacity_range holds a negative size"));
+    }
+    let (req, limit) = (req as u64, limit as u64);
+    if limit > 0 && req > limit {
+        return Err(Status::out_of_range(format!(
+            "required_bytes {req} is more than limit_bytes {limit}"
+        )));
+    }
+    let wanted = if req == 0 {
+        if limit > 0 {
+            limit.min(DEFAULT_SIZE)
+        } else {
+            DEFAULT_SIZE
+        }
+    } else {
+        req
+    };
+    let size = round_up_mib(wanted.max(MIB));
+    if limit > 0 && size > limit {
+        return Err(Status::out_of_range(format!(
+            "{wanted} bytes rounded up to whole MiB ({size}) is more than limit_bytes {limit}"
+        )));
+    }
+    Ok((size, req, limit))
+}
+
+/// The image name for a CSI request name: the name itself when it is a
+/// safe image name, else a stable hash of it. Deterministic, so a retried
+/// CreateVolume finds the image the first attempt made.
+pub fn image_base(name: &str) -> String {
+    let safe = !name.is_empty()
+        && name.len() <= 200
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');
+    if safe {
+        return name.to_owned();
+    }
+    // 128-bit FNV-1a: stable across releases and platforms.
+    let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
+    for b in name.bytes() {
+        h ^= u128::from(b);
+        h = h.wrapping_mul(0x0000000001000000000000000000013B);
+    }
+    format!("csi-vol-{h:032x}")
+}
+
+fn to_hash(m: BTreeMap<String, String>) -> HashMap<String, String> {
+    m.into_iter().collect()
+}
+
+#[tonic::async_trait]
+impl Controller for ControllerService {
+    async fn create_volume(
+        &self,
+        req: Request<CreateVolumeRequest>,
+    ) -> Result<Response<CreateVolumeResponse>, Status> {
+        let req = req.into_inner();
+        let name = required("name", &req.name)?.to_owned();
+        check_caps(&req.volume_capabilities, true)?;
+        if req.volume_content_source.is_some() {
+            return Err(Status::invalid_argument(
+                "volume_content_source (restoring a snapshot or cloning a volume) is not supported yet",
+            ));
+        }
+        let raw: BTreeMap<String, String> = req.parameters.clone().into_iter().collect();
+        let params =
+            ClassParams::parse_csi(&raw).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let (size, required_bytes, limit) = size_for(req.capacity_range.as_ref())?;
+        let _busy = self.driver.begin(&name)?;
+        let info = self.driver.cluster(&params.cluster_id)?;
+        let vol = VolumeId {
+            cluster_id: params.cluster_id.clone(),
+            pool: params.pool.clone(),
+            rados_namespace: info.rados_namespace.clone(),
+            image: params.image_name(&image_base(&name)),
+        };
+        let conn = self
+            .driver
+            .connect(&params.cluster_id, &req.secrets)
+            .await?;
+        let owner = Owner {
+            provisioner: self.driver.name.clone(),
+            pv_name: name.clone(),
+            pvc_namespace: raw.get(PVC_NAMESPACE_META).cloned().unwrap_or_default(),
+            pvc_name: raw.get(PVC_NAME_META).cloned().unwrap_or_default(),
+            cluster_id: params.cluster_id.clone(),
+        };
+        let options = params
+            .image_options()
+            .map_err(|e| Status::invalid_argument(format!("image options: {e}")))?;
+        let v = vol.clone();
+        let created = self
+            .driver
+            .ceph(&conn, move |c, m| {
+                ops::ensure_image(c, m, &v, size, &options, &owner)
+            })
+            .await
+            .map_err(|e| volume_status(&e))?;
+        self.driver.saw_pool(&vol);
+        let compatible = created >= required_bytes.max(1) && (limit == 0 || created <= limit);
+        if !compatible {
+            return Err(Status::already_exists(format!(
+                "volume {name:?} already exists as image {vol} with {created} bytes, which does not fit the requested range"
+            )));
+        }
+        tracing::info!(volume = %vol, bytes = created, "CreateVolume done");
+        Ok(Response::new(CreateVolumeResponse {
+            volume: Some(Volume {
+                capacity_bytes: created as i64,
+                volume_id: vol.handle(),
+                volume_context: to_hash(volume_context(&vol, &params)),
+                content_source: None,
+                accessible_topology: Vec::new(),
+            }),
+        }))
+    }
+
+    async fn delete_volume(
+        &self,
+        req: Request<DeleteVolumeRequest>,
+    ) -> Result<Response<DeleteVolumeResponse>, Status> {
+        let req = req.into_inner();
+        let id = required("volume_id", &req.volume_id)?;
+        // An id this driver cannot have made names no volume: done.
+        let Ok(vol) = VolumeId::parse(id) else {
+            return Ok(Response::new(DeleteVolumeResponse {}));
+        };
+        let _busy = self.driver.begin(id)?;
+        let conn = self.driver.connect(&vol.cluster_id, &req.secrets).await?;
+        let name = self.driver.name.clone();
+        let v = vol.clone();
+        let outcome = self
+            .driver
+            .ceph(&conn, move |c, m| {
+                match ops::recorded_pv_name(c, m, &v, &name)? {
+                    None => Ok(ops::Deleted::AlreadyGone),
+                    Some(pv) => ops::delete_image(c, m, &v, &name, &pv),
+                }
+            })
+            .await;
+        match outcome {
+            Ok(done) => {
+                tracing::info!(volume = %vol, outcome = ?done, "DeleteVolume done");
+                Ok(Response::new(DeleteVolumeResponse {}))
+            }
+            // The pool itself is gone: so is the volume.
+            Err(VolumeError::Ceph(e)) if e.is_not_found() => {
+                Ok(Response::new(DeleteVolumeResponse {}))
+            }
+            Err(e) => Err(volume_status(&e)),
+        }
+    }
+
+    async fn controller_publish_volume(
+        &self,
+        _req: Request<ControllerPublishVolumeRequest>,
+    ) -> Result<Response<ControllerPublishVolumeResponse>, Status> {
+        Err(Status::unimplemented(
+            "ControllerPublishVolume: the driver needs no attach step (attachRequired: false)",
+        ))
+    }
+
+    async fn controller_unpublish_volume(
+        &self,
+        _req: Request<ControllerUnpublishVolumeRequest>,
+    ) -> Result<Response<ControllerUnpublishVolumeResponse>, Status> {
+        Err(Status::unimplemented(
+            "ControllerUnpublishVolume: the driver needs no attach step (attachRequired: false)",
+        ))
+    }
+
+    async fn validate_volume_capabilities(
+        &self,
+        req: Request<ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<ValidateVolumeCapabilitiesResponse>, Status> {
+        let req = req.into_inner();
+        let vol = volume_id(&req.volume_id)?;
+        if req.volume_capabilities.is_empty() {
+            return Err(Status::invalid_argument("volume_capabilities is empty"));
+        }
+        let conn = self.driver.connect(&vol.cluster_id, &req.secrets).await?;
+        let v = vol.clone();
+        self.driver
+            .ceph(&conn, move |c, _m| {
+                let io = c.ioctx_ns(&v.pool, &v.rados_namespace)?;
+                Image::open_read_only(&io, &v.image)?;
+                Ok(())
+            })
+            .await
+            .map_err(|e| volume_status(&e))?;
+        let confirmed = match check_caps(&req.volume_capabilities, false) {
+            Ok(()) => Some(validate_volume_capabilities_response::Confirmed {
+                volume_context: req.volume_context.clone(),
+                volume_capabilities: req.volume_capabilities.clone(),
+                parameters: req.parameters.clone(),
+                mutable_parameters: HashMap::new(),
+            }),
+            Err(s) => {
+                return Ok(Response::new(ValidateVolumeCapabilitiesResponse {
+                    confirmed: None,
+                    message: s.message().to_owned(),
+                }))
+            }
+        };
+        Ok(Response::new(ValidateVolumeCapabilitiesResponse {
+            confirmed,
+            message: String::new(),
+        }))
+    }
+
+    async fn list_volumes(
+        &self,
+        req: Request<ListVolumesRequest>,
+    ) -> Result<Response<ListVolumesResponse>, Status> {
+        let req = req.into_inner();
+        if req.max_entries < 0 {
+            return Err(Status::invalid_argument("max_entries is negative"));
+        }
+        let start: usize = if req.starting_token.is_empty() {
+            0
+        } else {
+            req.starting_token.parse().map_err(|_| {
+                Status::aborted(format!(
+                    "starting_token {:?} is not one this driver returned",
+                    req.starting_token
+                ))
+            })?
+        };
+        let mut all: Vec<(String, u64)> = Vec::new();
+        for (cluster_id, pool, ns) in self.driver.pools_seen() {
+            let conn = self.driver.connect(&cluster_id, &HashMap::new()).await?;
+            let name = self.driver.name.clone();
+            let found = self
+                .driver
+                .ceph(&conn, move |c, _m| {
+                    let io = c.ioctx_ns(&pool, &ns)?;
+                    let mut out = Vec::new();
+                    for image in rbd::list_names(&io)? {
+                        // Another client may remove it meanwhile.
+                        let Ok(img) = Image::open_read_only(&io, &image) else {
+                            continue;
+                        };
+                        if img.metadata_get(META_PROVISIONER).ok().as_deref() != Some(&name) {
+                            continue;
+                        }
+                        let vol = VolumeId {
+                            cluster_id: cluster_id.clone(),
+                            pool: pool.clone(),
+                            rados_namespace: ns.clone(),
+                            image,
+                        };
+                        out.push((vol.handle(), img.size()?));
+                    }
+                    Ok(out)
+                })
+                .await
+                .map_err(|e| volume_status(&e))?;
+            all.extend(found);
+        }
+        all.sort();
+        if start > all.len() {
+            return Err(Status::aborted(format!(
+                "starting_token {start} is past the end ({} volumes)",
+                all.len()
+            )));
+        }
+        let max = if req.max_entries == 0 {
+            usize::MAX
+        } else {
+            req.max_entries as usize
+        };
+        let end = start.saturating_add(max).min(all.len());
+        let entries = all[start..end]
+            .iter()
+            .map(|(id, size)| list_volumes_response::Entry {
+                volume: Some(Volume {
+                    capacity_bytes: *size as i64,
+                    volume_id: id.clone(),
+                    ..Default::default()
+                }),
+                status: None,
+            })
+            .collect();
+        let next_token = if end < all.len() {
+            end.to_string()
+        } else {
+            String::new()
+        };
+        Ok(Response::new(ListVolumesResponse {
+            entries,
+            next_token,
+        }))
+    }
+
+    async fn get_capacity(
+        &self,
+        req: Request<GetCapacityRequest>,
+    ) -> Result<Response<GetCapacityResponse>, Status> {
+        let req = req.into_inner();
+        let targets: Vec<(String, String)> =
+            match (req.parameters.get(CLUSTER_ID), req.parameters.get(POOL)) {
+                (Some(c), Some(p)) => vec![(c.clone(), p.clone())],
+                (None, None) => {
+                    let mut v: Vec<(String, String)> = self
+                        .driver
+                        .pools_seen()
+                        .into_iter()
+                        .map(|(c, p, _)| (c, p))
+                        .collect();
+                    v.dedup();
+                    v
+                }
+                _ => {
+                    return Err(Status::invalid_argument(format!(
+                        "parameters need both {CLUSTER_ID} and {POOL}, or neither"
+                    )))
+                }
+            };
+        let mut available: u64 = 0;
+        for (cluster_id, pool) in targets {
+            let conn = self.driver.connect(&cluster_id, &HashMap::new()).await?;
+            let avail = self
+                .driver
+                .ceph(&conn, move |c, _m| Ok(pool_max_avail(c, &pool)?))
+                .await
+                .map_err(|e| volume_status(&e))?;
+            available = available.saturating_add(avail);
+        }
+        Ok(Response::new(GetCapacityResponse {
+            available_capacity: available.min(i64::MAX as u64) as i64,
+            maximum_volume_size: None,
+            minimum_volume_size: Some(MIB as i64),
+        }))
+    }
+
+    async fn controller_get_capabilities(
+        &self,
+        _req: Request<ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<ControllerGetCapabilitiesResponse>, Status> {
+        use controller_service_capability::rpc::Type as T;
+        let capabilities = [
+            T::CreateDeleteVolume,
+            T::ExpandVolume,
+            T::ListVolumes,
+            T::GetCapacity,
+            T::SingleNodeMultiWriter,
+        ]
+        .into_iter()
+        .map(|t| ControllerServiceCapability {
+            r#type: Some(controller_service_capability::Type::Rpc(
+                controller_service_capability::Rpc { r#type: t as i32 },
+            )),
+        })
+        .collect();
+        Ok(Response::new(ControllerGetCapabilitiesResponse {
+            capabilities,
+        }))
+    }
+
+    async fn create_snapshot(
+        &self,
+        _req: Request<CreateSnapshotRequest>,
+    ) -> Result<Response<CreateSnapshotResponse>, Status> {
+        Err(Status::unimplemented("snapshots are not supported yet"))
+    }
+
+    async fn delete_snapshot(
+        &self,
+        _req: Request<DeleteSnapshotRequest>,
+    ) -> Result<Response<DeleteSnapshotResponse>, Status> {
+        Err(Status::unimplemented("snapshots are not supported yet"))
+    }
+
+    async fn list_snapshots(
+        &self,
+        _req: Request<ListSnapshotsRequest>,
+    ) -> Result<Response<ListSnapshotsResponse>, Status> {
+        Err(Status::unimplemented("snapshots are not supported yet"))
+    }
+
+    async fn get_snapshot(
+        &self,
+        _req: Request<GetSnapshotRequest>,
+    ) -> Result<Response<GetSnapshotResponse>, Status> {
+        Err(Status::unimplemented("snapshots are not supported yet"))
+    }
+
+    async fn controller_expand_volume(
+        &self,
+        req: Request<ControllerExpandVolumeRequest>,
+    ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
+        let req = req.into_inner();
+        let vol = volume_id(&req.volume_id)?;
+        let range = req
+            .capacity_range
+            .as_ref()
+            .ok_or_else(|| Status::invalid_argument("capacity_range is missing"))?;
+        let (size, _, _) = size_for(Some(range))?;
+        let block = matches!(
+            req.volume_capability
+                .as_ref()
+                .and_then(|c| c.access_type.as_ref()),
+            Some(volume_capability::AccessType::Block(_))
+        );
+        let _busy = self.driver.begin(&req.volume_id)?;
+        let conn = self.driver.connect(&vol.cluster_id, &req.secrets).await?;
+        let name = self.driver.name.clone();
+        let v = vol.clone();
+        let new_size = self
+            .driver
+            .ceph(&conn, move |c, m| {
+                let pv = ops::recorded_pv_name(c, m, &v, &name)?.ok_or_else(|| {
+                    VolumeError::Missing {
+                        image: v.image.clone(),
+                    }
+                })?;
+                ops::expand_image(c, m, &v, &name, &pv, size)
+            })
+            .await
+            .map_err(|e| volume_status(&e))?;
+        tracing::info!(volume = %vol, bytes = new_size, "ControllerExpandVolume done");
+        Ok(Response::new(ControllerExpandVolumeResponse {
+            capacity_bytes: new_size as i64,
+            node_expansion_required: !block,
+        }))
+    }
+
+    async fn controller_get_volume(
+        &self,
+        _req: Request<ControllerGetVolumeRequest>,
+    ) -> Result<Response<ControllerGetVolumeResponse>, Status> {
+        Err(Status::unimplemented(
+            "ControllerGetVolume is not supported",
+        ))
+    }
+
+    async fn controller_modify_volume(
+        &self,
+        _req: Request<ControllerModifyVolumeRequest>,
+    ) -> Result<Response<ControllerModifyVolumeResponse>, Status> {
+        Err(Status::unimplemented(
+            "ControllerModifyVolume is not supported",
+        ))
+    }
+}
+
+/// The bytes a pool can still take (`max_avail` of `ceph df`).
+fn pool_max_avail(cluster: &crate::rados::Cluster, pool: &str) -> crate::Result<u64> {
+    let reply = cluster.mon_command(r#"{"prefix": "df", "format": "json"}"#, &[])?;
+    let v: serde_json::Value = serde_json::from_slice(&reply.output).map_err(|e| {
+        crate::Error::invalid("ceph df", pool.to_owned(), format!("unreadable reply: {e}"))
+    })?;
+    v["pools"]
+        .as_array()
+        .and_then(|pools| pools.iter().find(|p| p["name"] == pool))
+        .and_then(|p| p["stats"]["max_avail"].as_u64())
+        .ok_or_else(|| crate::Error::from_errno(libc::ENOENT, "ceph df", pool.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::csi::proto::volume_capability::{access_mode::Mode, AccessMode, AccessType};
+
+    fn cap(mode: Mode, block: bool) -> VolumeCapability {
+        VolumeCapability {
+            access_mode: Some(AccessMode { mode: mode as i32 }),
+            access_type: Some(if block {
+                AccessType::Block(Default::default())
+            } else {
+                AccessType::Mount(Default::default())
+            }),
+        }
+    }
+
+    #[test]
+    fn capabilities_follow_the_provisioner_rules() {
+        assert!(check_caps(&[cap(Mode::SingleNodeWriter, false)], true).is_ok());
+        assert!(check_caps(&[cap(Mode::MultiNodeMultiWriter, true)], true).is_ok());
+        assert!(check_caps(&[cap(Mode::MultiNodeMultiWriter, false)], true).is_err());
+        assert!(check_caps(&[cap(Mode::MultiNodeReaderOnly, false)], true).is_err());
+        assert!(check_caps(&[cap(Mode::MultiNodeReaderOnly, false)], false).is_ok());
+        assert!(check_caps(&[], true).is_err());
+        let mut no_type = cap(Mode::SingleNodeWriter, false);
+        no_type.access_type = None;
+        assert!(check_caps(&[no_type], true).is_err());
+    }
+
+    #[test]
+    fn sizes_round_up_and_respect_the_limit() {
+        let r = |req, limit| CapacityRange {
+            required_bytes: req,
+            limit_bytes: limit,
+        };
+        assert_eq!(size_for(None).unwrap().0, DEFAULT_SIZE);
+        assert_eq!(size_for(Some(&r(1, 0))).unwrap().0, MIB);
+        assert_eq!(size_for(Some(&r(MIB as i64 + 1, 0))).unwrap().0, 2 * MIB);
+        assert!(size_for(Some(&r(10, 5))).is_err());
+        assert!(size_for(Some(&r(MIB as i64 + 1, MIB as i64 + 2))).is_err());
+        assert!(size_for(Some(&r(-1, 0))).is_err());
+    }
+
+    #[test]
+    fn request_names_map_to_stable_safe_image_names() {
+        assert_eq!(image_base("pvc-1234"), "pvc-1234");
+        let odd = image_base("sanity/with spaces@x");
+        assert!(odd.starts_with("csi-vol-") && odd.len() == 8 + 32, "{odd}");
+        assert_eq!(odd, image_base("sanity/with spaces@x"));
+        assert_ne!(odd, image_base("sanity/with spaces@y"));
+        assert!(image_base(&"a".repeat(300)).starts_with("csi-vol-"));
+    }
+}

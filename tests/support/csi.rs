@@ -1,0 +1,331 @@
+//! The CSI driver as kubelet and external-provisioner see it: `rbdkit csi`
+//! (and the userspace mapper it needs) as child processes on a unix socket,
+//! and gRPC clients to drive them.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use hyper_util::rt::TokioIo;
+use rbdkit::csi::proto::{
+    controller_client::ControllerClient, identity_client::IdentityClient, node_client::NodeClient,
+    volume_capability, CapacityRange, CreateVolumeRequest, NodeStageVolumeRequest,
+    VolumeCapability,
+};
+use serde_json::json;
+use tonic::transport::{Channel, Endpoint};
+
+use super::ceph::{unique, TestCluster, TestNs};
+
+/// A child process with its log, killed on drop.
+pub struct Daemon {
+    child: Option<Child>,
+    /// What it is, for messages.
+    pub what: String,
+    /// Its log file (stdout and stderr).
+    pub log: PathBuf,
+    args: Vec<String>,
+}
+
+impl Daemon {
+    fn spawn(what: &str, args: Vec<String>, log: PathBuf) -> Daemon {
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("open log");
+        let child = Command::new(env!("CARGO_BIN_EXE_rbdkit"))
+            .args(&args)
+            .env_remove("CEPH_CONF")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("dup log"))
+            .stderr(out)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {what}: {e}"));
+        Daemon {
+            child: Some(child),
+            what: what.to_owned(),
+            log,
+            args,
+        }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// SIGKILL, as a crash or an OOM kill would, and reap it.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts it again with the same arguments (after [`Daemon::kill9`]).
+    pub fn restart(&mut self) {
+        self.kill9();
+        let again = Daemon::spawn(&self.what, self.args.clone(), self.log.clone());
+        *self = again;
+    }
+
+    /// The whole log.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let text = self.log_text();
+            let lines: Vec<&str> = text.lines().collect();
+            eprintln!(
+                "--- log of {} ---\n{}",
+                self.what,
+                lines[lines.len().saturating_sub(60)..].join("\n")
+            );
+        }
+        self.kill9();
+    }
+}
+
+/// A channel over a unix socket, retried until the server listens.
+pub async fn channel(socket: &Path) -> Channel {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let path = socket.to_owned();
+        let attempt = Endpoint::try_from("http://[::1]:50051")
+            .expect("endpoint")
+            .connect_timeout(Duration::from_secs(5))
+            .connect_with_connector(tower::service_fn(move |_| {
+                let path = path.clone();
+                async move {
+                    Ok::<_, std::io::Error>(TokioIo::new(
+                        tokio::net::UnixStream::connect(path).await?,
+                    ))
+                }
+            }))
+            .await;
+        match attempt {
+            Ok(ch) => return ch,
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("cannot reach {}: {e}", socket.display()),
+        }
+    }
+}
+
+/// One CSI world: a clusters config pointing at the test cluster (in a
+/// RADOS namespace of its own), a mapper daemon, and a CSI server.
+pub struct CsiEnv {
+    /// The RBD namespace the clusterID maps to.
+    pub rbd: TestNs,
+    /// The clusterID.
+    pub cluster_id: String,
+    /// The working folder (sockets, state, staging and target paths).
+    pub dir: tempfile::TempDir,
+    /// The userspace mapper, if started.
+    pub mapper: Option<Daemon>,
+    /// The CSI server.
+    pub csi: Daemon,
+    /// The CSI socket.
+    pub socket: PathBuf,
+    /// The node id.
+    pub node_id: String,
+}
+
+/// Which services the server runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Identity + Controller.
+    Controller,
+    /// Everything, with a userspace mapper.
+    All,
+}
+
+impl CsiEnv {
+    /// Starts a world named after `test`.
+    pub async fn new(test: &str, mode: Mode) -> CsiEnv {
+        let rbd = TestNs::new(test);
+        let cluster_id = unique(test);
+        let env = CsiEnv::with_ns(rbd, cluster_id, mode, "node-a").await;
+        env
+    }
+
+    /// Starts a world on an existing namespace and clusterID (a second node
+    /// of the same cluster, say).
+    pub async fn with_ns(rbd: TestNs, cluster_id: String, mode: Mode, node_id: &str) -> CsiEnv {
+        let ceph = TestCluster::get();
+        // Under /tmp, not the target dir: unix socket paths are short.
+        let dir = tempfile::Builder::new()
+            .prefix("rbdkit-csi-")
+            .tempdir_in("/tmp")
+            .expect("tempdir");
+        let mons = ceph.conf_value("mon host").expect("mon host in ceph.conf");
+        let config = json!([{
+            "clusterID": cluster_id,
+            "monitors": [mons],
+            "rbd": {"radosNamespace": rbd.name},
+        }]);
+        let config_path = dir.path().join("config.json");
+        std::fs::write(&config_path, config.to_string()).expect("write config");
+        let mapper_sock = dir.path().join("mapper.sock");
+        let mapper = (mode == Mode::All).then(|| {
+            Daemon::spawn(
+                &format!("fuse-mapper {node_id}"),
+                vec![
+                    "fuse-mapper".into(),
+                    "--socket".into(),
+                    mapper_sock.display().to_string(),
+                    "--state-dir".into(),
+                    dir.path().join("mapper").display().to_string(),
+                ],
+                dir.path().join("mapper.log"),
+            )
+        });
+        let socket = dir.path().join("csi.sock");
+        let csi = Daemon::spawn(
+            &format!("rbdkit csi {node_id}"),
+            vec![
+                "csi".into(),
+                "--endpoint".into(),
+                format!("unix://{}", socket.display()),
+                "--node-id".into(),
+                node_id.into(),
+                "--mode".into(),
+                if mode == Mode::All {
+                    "all"
+                } else {
+                    "controller"
+                }
+                .into(),
+                "--clusters-config".into(),
+                config_path.display().to_string(),
+                "--mapper-socket".into(),
+                mapper_sock.display().to_string(),
+                "--state-dir".into(),
+                dir.path().join("csi-state").display().to_string(),
+                "--default-mapper".into(),
+                "rbdkit-fuse".into(),
+                "--topology".into(),
+                format!("topology.rbd.rbdkit.io/node={node_id}"),
+            ],
+            dir.path().join("csi.log"),
+        );
+        CsiEnv {
+            rbd,
+            cluster_id,
+            dir,
+            mapper,
+            csi,
+            socket,
+            node_id: node_id.to_owned(),
+        }
+    }
+
+    /// The secrets every call carries (the admin user).
+    pub fn secrets(&self) -> HashMap<String, String> {
+        HashMap::from([
+            ("userID".to_owned(), "admin".to_owned()),
+            ("userKey".to_owned(), TestCluster::get().admin_key()),
+        ])
+    }
+
+    /// The parameters of a test StorageClass.
+    pub fn params(&self) -> HashMap<String, String> {
+        HashMap::from([
+            ("clusterID".to_owned(), self.cluster_id.clone()),
+            ("pool".to_owned(), super::ceph::POOL.to_owned()),
+        ])
+    }
+
+    /// An Identity client.
+    pub async fn identity(&self) -> IdentityClient<Channel> {
+        IdentityClient::new(channel(&self.socket).await)
+    }
+
+    /// A Controller client.
+    pub async fn controller(&self) -> ControllerClient<Channel> {
+        ControllerClient::new(channel(&self.socket).await)
+    }
+
+    /// A Node client.
+    pub async fn node(&self) -> NodeClient<Channel> {
+        NodeClient::new(channel(&self.socket).await)
+    }
+
+    /// A path in the working folder.
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// Creates a volume and returns its id.
+    pub async fn create_volume(&self, name: &str, bytes: i64, cap: VolumeCapability) -> String {
+        let resp = self
+            .controller()
+            .await
+            .create_volume(CreateVolumeRequest {
+                name: name.to_owned(),
+                capacity_range: Some(CapacityRange {
+                    required_bytes: bytes,
+                    limit_bytes: 0,
+                }),
+                volume_capabilities: vec![cap],
+                parameters: self.params(),
+                secrets: self.secrets(),
+                ..Default::default()
+            })
+            .await
+            .unwrap_or_else(|e| panic!("CreateVolume {name}: {e}"))
+            .into_inner();
+        resp.volume.expect("volume").volume_id
+    }
+
+    /// A NodeStageVolume request as kubelet sends it.
+    pub fn stage_request(
+        &self,
+        volume_id: &str,
+        staging: &Path,
+        cap: VolumeCapability,
+    ) -> NodeStageVolumeRequest {
+        NodeStageVolumeRequest {
+            volume_id: volume_id.to_owned(),
+            staging_target_path: staging.display().to_string(),
+            volume_capability: Some(cap),
+            secrets: self.secrets(),
+            ..Default::default()
+        }
+    }
+}
+
+/// A single-node-writer Filesystem capability.
+pub fn mount_cap(fs_type: &str) -> VolumeCapability {
+    VolumeCapability {
+        access_mode: Some(volume_capability::AccessMode {
+            mode: volume_capability::access_mode::Mode::SingleNodeWriter as i32,
+        }),
+        access_type: Some(volume_capability::AccessType::Mount(
+            volume_capability::MountVolume {
+                fs_type: fs_type.to_owned(),
+                ..Default::default()
+            },
+        )),
+    }
+}
+
+/// A single-node-writer Block capability.
+pub fn block_cap() -> VolumeCapability {
+    VolumeCapability {
+        access_mode: Some(volume_capability::AccessMode {
+            mode: volume_capability::access_mode::Mode::SingleNodeWriter as i32,
+        }),
+        access_type: Some(volume_capability::AccessType::Block(
+            volume_capability::BlockVolume {},
+        )),
+    }
+}
