@@ -422,8 +422,12 @@ fn a_stale_fuse_mount_is_found_and_unmounted() {
     assert_eq!(m.fstype, "fuse");
     assert_eq!(m.source, "rbdkit-test");
 
-    // Binding onto it is refused with the reason.
+    // Binding or mounting onto it is refused with the reason.
     let e = mount::ensure_bind(fx.dir.path(), &target, false).unwrap_err();
+    assert!(e.to_string().contains("stale"), "{e}");
+    let (_, dev) = fx.loop_device("unused.img", 16 * MIB);
+    let e = mount::ensure_mounted(&dev, &target, "ext4", &["rw"]).unwrap_err();
+    assert_eq!(e.errno(), libc::ENOTCONN, "{e}");
     assert!(e.to_string().contains("stale"), "{e}");
 
     mount::ensure_unmounted(&target).unwrap();

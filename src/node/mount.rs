@@ -442,6 +442,10 @@ pub fn ensure_mounted<S: AsRef<str>>(
     let obj = target.display().to_string();
     let rdev = block_rdev(device)?;
     if let Some(m) = mounted_at(target)? {
+        if is_stale(target) {
+            return Err(Error::from_errno(libc::ENOTCONN, "mount", obj)
+                .detail("the mount there is stale; unmount it first"));
+        }
         if m.dev() != rdev || m.root != Path::new("/") {
             return Err(Error::from_errno(libc::EBUSY, "mount", obj).detail(format!(
                 "{} ({}, root {}) is mounted there, not {}",
@@ -450,10 +454,6 @@ pub fn ensure_mounted<S: AsRef<str>>(
                 m.root.display(),
                 device.display()
             )));
-        }
-        if is_stale(target) {
-            return Err(Error::from_errno(libc::ENOTCONN, "mount", obj)
-                .detail("the mount there is stale; unmount it first"));
         }
         if m.read_only() != opts.read_only() {
             return Err(Error::from_errno(libc::EBUSY, "mount", obj).detail(format!(
