@@ -251,6 +251,21 @@ fn ext4_make_mount_bind_grow_unmount() {
 
     check_binds(&mut fx, &dev, &stage, "ext4");
 
+    // A raw block volume: the device node bound onto a file.
+    let block = fx.mount_point("publish-block");
+    mount::ensure_bind(&dev, &block, false).unwrap();
+    mount::ensure_bind(&dev, &block, false).unwrap();
+    assert_eq!(mount::mounts_at(&block).unwrap().len(), 1);
+    {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let md = std::fs::metadata(&block).unwrap();
+        assert!(md.file_type().is_block_device());
+        assert_eq!(md.rdev(), std::fs::metadata(&dev).unwrap().rdev());
+    }
+    assert_eq!(fs::device_size(&block).unwrap(), 256 * MIB);
+    mount::ensure_unmounted(&block).unwrap();
+    assert!(std::fs::metadata(&block).unwrap().is_file());
+
     let before = fs::stats(&stage).unwrap();
     assert!(
         before.total_bytes > 200 * MIB && before.total_bytes <= 256 * MIB,
@@ -379,6 +394,13 @@ fn stacked_mounts_all_come_off() {
     }
     assert_eq!(mount::mounts_at(&target).unwrap().len(), 3);
     assert_eq!(std::fs::read_to_string(target.join("layer")).unwrap(), "2");
+    // A mount in use stays and says why; it is not detached.
+    let open = std::fs::File::open(target.join("layer")).unwrap();
+    let e = mount::ensure_unmounted(&target).unwrap_err();
+    assert_eq!(e.errno(), libc::EBUSY, "{e}");
+    assert!(e.to_string().contains("still busy"), "{e}");
+    assert_eq!(mount::mounts_at(&target).unwrap().len(), 3);
+    drop(open);
     mount::ensure_unmounted(&target).unwrap();
     assert!(!mount::is_mount_point(&target).unwrap());
     assert_eq!(
@@ -422,8 +444,12 @@ fn a_stale_fuse_mount_is_found_and_unmounted() {
     assert_eq!(m.fstype, "fuse");
     assert_eq!(m.source, "rbdkit-test");
 
-    // Binding onto it is refused with the reason.
+    // Binding or mounting onto it is refused with the reason.
     let e = mount::ensure_bind(fx.dir.path(), &target, false).unwrap_err();
+    assert!(e.to_string().contains("stale"), "{e}");
+    let (_, dev) = fx.loop_device("unused.img", 16 * MIB);
+    let e = mount::ensure_mounted(&dev, &target, "ext4", &["rw"]).unwrap_err();
+    assert_eq!(e.errno(), libc::ENOTCONN, "{e}");
     assert!(e.to_string().contains("stale"), "{e}");
 
     mount::ensure_unmounted(&target).unwrap();

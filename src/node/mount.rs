@@ -8,7 +8,7 @@
 //! is still found and can be unmounted.
 
 use std::ffi::CString;
-use std::os::unix::ffi::OsStrExt;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Component, Path, PathBuf};
 
@@ -20,6 +20,9 @@ pub const MOUNTINFO: &str = "/proc/self/mountinfo";
 /// At most this many mounts stacked on one target are taken off by
 /// [`ensure_unmounted`] before it gives up.
 const MAX_STACKED: usize = 64;
+
+/// How long [`ensure_unmounted`] retries a mount that is busy.
+const BUSY_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// One line of `/proc/self/mountinfo` (see `proc_pid_mountinfo(5)`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -61,8 +64,7 @@ impl MountInfo {
 
 /// Decodes the octal escapes (`\040` space, `\011` tab, `\012` newline,
 /// `\134` backslash) the kernel puts in mountinfo fields.
-fn unescape(field: &str) -> String {
-    let b = field.as_bytes();
+fn unescape_bytes(b: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
@@ -82,11 +84,20 @@ fn unescape(field: &str) -> String {
         out.push(b[i]);
         i += 1;
     }
-    String::from_utf8_lossy(&out).into_owned()
+    out
 }
 
-fn split_opts(s: &str) -> Vec<String> {
-    s.split(',')
+fn unescape(field: &[u8]) -> String {
+    String::from_utf8_lossy(&unescape_bytes(field)).into_owned()
+}
+
+/// Paths keep their bytes: a mount point need not be UTF-8.
+fn unescape_path(field: &[u8]) -> PathBuf {
+    PathBuf::from(std::ffi::OsString::from_vec(unescape_bytes(field)))
+}
+
+fn split_opts(s: &[u8]) -> Vec<String> {
+    s.split(|b| *b == b',')
         .filter(|o| !o.is_empty())
         .map(unescape)
         .collect()
@@ -94,38 +105,48 @@ fn split_opts(s: &str) -> Vec<String> {
 
 /// Parses the text of a mountinfo file. A line that does not have the
 /// documented shape is an error naming the line.
-pub fn parse_mountinfo(text: &str) -> Result<Vec<MountInfo>> {
-    let bad = |line: &str, why: &str| {
+pub fn parse_mountinfo(text: impl AsRef<[u8]>) -> Result<Vec<MountInfo>> {
+    let bad = |line: &[u8], why: &str| {
         Error::invalid(
             "parse mountinfo",
             MOUNTINFO,
-            format!("{why} in line {line:?}"),
+            format!("{why} in line {:?}", String::from_utf8_lossy(line)),
         )
     };
     let mut out = Vec::new();
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        let fields: Vec<&str> = line.split(' ').collect();
+    for line in text
+        .as_ref()
+        .split(|b| *b == b'\n')
+        .filter(|l| !l.trim_ascii().is_empty())
+    {
+        let fields: Vec<&[u8]> = line.split(|b| *b == b' ').collect();
         // The optional fields end at a lone "-".
         let sep = fields
             .iter()
             .skip(6)
-            .position(|f| *f == "-")
+            .position(|f| *f == b"-")
             .map(|p| p + 6)
             .ok_or_else(|| bad(line, "no \"-\" separator"))?;
         if fields.len() < sep + 3 {
             return Err(bad(line, "too few fields"));
         }
-        let num = |s: &str| s.parse::<u32>().map_err(|_| bad(line, "bad number"));
-        let (major, minor) = fields[2]
-            .split_once(':')
+        let num = |s: &[u8]| {
+            std::str::from_utf8(s)
+                .ok()
+                .and_then(|s| s.parse::<u32>().ok())
+                .ok_or_else(|| bad(line, "bad number"))
+        };
+        let colon = fields[2]
+            .iter()
+            .position(|b| *b == b':')
             .ok_or_else(|| bad(line, "bad major:minor"))?;
         out.push(MountInfo {
             mount_id: num(fields[0])?,
             parent_id: num(fields[1])?,
-            major: num(major)?,
-            minor: num(minor)?,
-            root: PathBuf::from(unescape(fields[3])),
-            mount_point: PathBuf::from(unescape(fields[4])),
+            major: num(&fields[2][..colon])?,
+            minor: num(&fields[2][colon + 1..])?,
+            root: unescape_path(fields[3]),
+            mount_point: unescape_path(fields[4]),
             mount_options: split_opts(fields[5]),
             fstype: unescape(fields[sep + 1]),
             source: unescape(fields[sep + 2]),
@@ -140,7 +161,7 @@ pub fn parse_mountinfo(text: &str) -> Result<Vec<MountInfo>> {
 
 /// Reads and parses `/proc/self/mountinfo`, in mount order.
 pub fn mountinfo() -> Result<Vec<MountInfo>> {
-    let text = std::fs::read_to_string(MOUNTINFO).map_err(|e| io_error(e, "read", MOUNTINFO))?;
+    let text = std::fs::read(MOUNTINFO).map_err(|e| io_error(e, "read", MOUNTINFO))?;
     parse_mountinfo(&text)
 }
 
@@ -442,6 +463,10 @@ pub fn ensure_mounted<S: AsRef<str>>(
     let obj = target.display().to_string();
     let rdev = block_rdev(device)?;
     if let Some(m) = mounted_at(target)? {
+        if is_stale(target) {
+            return Err(Error::from_errno(libc::ENOTCONN, "mount", obj)
+                .detail("the mount there is stale; unmount it first"));
+        }
         if m.dev() != rdev || m.root != Path::new("/") {
             return Err(Error::from_errno(libc::EBUSY, "mount", obj).detail(format!(
                 "{} ({}, root {}) is mounted there, not {}",
@@ -450,10 +475,6 @@ pub fn ensure_mounted<S: AsRef<str>>(
                 m.root.display(),
                 device.display()
             )));
-        }
-        if is_stale(target) {
-            return Err(Error::from_errno(libc::ENOTCONN, "mount", obj)
-                .detail("the mount there is stale; unmount it first"));
         }
         if m.read_only() != opts.read_only() {
             return Err(Error::from_errno(libc::EBUSY, "mount", obj).detail(format!(
@@ -541,7 +562,8 @@ pub fn ensure_bind(source: &Path, target: &Path, read_only: bool) -> Result<()> 
 /// Unmounts everything mounted at `target` (stacked mounts one by one, top
 /// first). A no-op when nothing is mounted there. A stale mount, or one
 /// the plain unmount cannot take off, is detached (`MNT_DETACH`); a busy
-/// healthy mount is an error (detaching it would hide that it is in use).
+/// healthy mount is retried for a short while and then an error (detaching
+/// it would hide that it is in use).
 pub fn ensure_unmounted(target: &Path) -> Result<()> {
     let obj = target.display().to_string();
     for _ in 0..MAX_STACKED {
@@ -555,6 +577,7 @@ pub fn ensure_unmounted(target: &Path) -> Result<()> {
             Err(e) if is_stale(target) || e.errno() == libc::ENOTCONN || e.errno() == libc::EIO => {
                 umount(target, true)?;
             }
+            Err(e) if e.errno() == libc::EBUSY => umount_busy(target)?,
             Err(e) => return Err(e),
         }
     }
@@ -563,6 +586,27 @@ pub fn ensure_unmounted(target: &Path) -> Result<()> {
             "still mounted after taking off {MAX_STACKED} mounts"
         )),
     )
+}
+
+/// Retries an unmount that answered `EBUSY`, for a bounded time. A short
+/// `EBUSY` is common: a child forked by another thread holds copies of our
+/// file descriptors until it execs (`O_CLOEXEC` only closes them then).
+fn umount_busy(target: &Path) -> Result<()> {
+    let deadline = std::time::Instant::now() + BUSY_WAIT;
+    loop {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        match umount(target, false) {
+            Err(e) if e.errno() == libc::EBUSY => {
+                if std::time::Instant::now() >= deadline {
+                    return Err(e.detail(format!(
+                        "still busy after {BUSY_WAIT:?}: a process has files open or its \
+                         working directory under it"
+                    )));
+                }
+            }
+            other => return other,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -612,10 +656,15 @@ mod tests {
 
     #[test]
     fn unescape_leaves_other_backslashes() {
-        assert_eq!(unescape(r"a\040b"), "a b");
-        assert_eq!(unescape(r"a\\b"), r"a\\b");
-        assert_eq!(unescape(r"end\04"), r"end\04");
-        assert_eq!(unescape(r"\012"), "\n");
+        assert_eq!(unescape(br"a\040b"), "a b");
+        assert_eq!(unescape(br"a\\b"), r"a\\b");
+        assert_eq!(unescape(br"end\04"), r"end\04");
+        assert_eq!(unescape(br"\012"), "\n");
+        // Not UTF-8: the path keeps its bytes.
+        assert_eq!(
+            unescape_path(br"/mnt/\377x").as_os_str().as_bytes(),
+            b"/mnt/\xffx"
+        );
     }
 
     #[test]
