@@ -164,6 +164,46 @@ impl NodeService {
             .map_err(|e| Status::internal(format!("cannot write {}: {e}", p.display())))
     }
 
+    fn own_watchers_path(&self, volume_id: &str) -> PathBuf {
+        self.index_path(volume_id).with_extension("watchers")
+    }
+
+    /// The watcher addresses this node's mappers had on the image, kept
+    /// across unstaging so a dead mapper's lingering watch is recognised.
+    fn own_watchers(&self, volume_id: &str) -> Vec<String> {
+        std::fs::read_to_string(self.own_watchers_path(volume_id))
+            .map(|t| t.lines().map(str::to_owned).collect())
+            .unwrap_or_default()
+    }
+
+    fn record_own_watchers(&self, volume_id: &str, watchers: &[String]) {
+        let p = self.own_watchers_path(volume_id);
+        if let Err(e) = write_atomic(&p, watchers.join("\n").as_bytes()) {
+            tracing::warn!(path = %p.display(), error = %e, "cannot record own watchers");
+        }
+    }
+
+    /// The addresses watching the image of `vol`.
+    async fn watchers(
+        &self,
+        vol: &crate::volume::VolumeId,
+        secrets: &HashMap<String, String>,
+    ) -> Result<Vec<String>, Status> {
+        let conn = self.driver.connect(&vol.cluster_id, secrets).await?;
+        let v = vol.clone();
+        self.driver
+            .ceph(&conn, move |c, _m| {
+                let io = c.ioctx_ns(&v.pool, &v.rados_namespace)?;
+                let img = Image::open_read_only(&io, &v.image)?;
+                Ok(img.watchers()?.into_iter().map(|w| w.addr).collect())
+            })
+            .await
+            .map_err(|e| match e {
+                VolumeError::Ceph(e) => status_of(&e),
+                other => Status::internal(other.to_string()),
+            })
+    }
+
     fn forget(&self, volume_id: &str) {
         let _ = std::fs::remove_file(self.index_path(volume_id));
     }
@@ -251,8 +291,12 @@ fn mapper_options(
         "krbd" => options::MounterKind::Krbd,
         _ => options::MounterKind::Fuse,
     };
-    options::options_for(ctx.get(param).map(String::as_str).unwrap_or(""), kind, param)
-        .map_err(|e| status_of(&e))
+    options::options_for(
+        ctx.get(param).map(String::as_str).unwrap_or(""),
+        kind,
+        param,
+    )
+    .map_err(|e| status_of(&e))
 }
 
 fn io_status(what: &str, path: &Path, e: std::io::Error) -> Status {
@@ -328,25 +372,15 @@ impl Node for NodeService {
             }
         }
         if !read_only && already_mapped.is_none() {
-            let conn = self.driver.connect(&vol.cluster_id, &req.secrets).await?;
-            let v = vol.clone();
-            let watchers = self
-                .driver
-                .ceph(&conn, move |c, _m| {
-                    let io = c.ioctx_ns(&v.pool, &v.rados_namespace)?;
-                    let img = Image::open_read_only(&io, &v.image)?;
-                    Ok(img.watchers()?)
-                })
-                .await
-                .map_err(|e| match e {
-                    VolumeError::Ceph(e) => status_of(&e),
-                    other => Status::internal(other.to_string()),
-                })?;
-            if !watchers.is_empty() {
-                let who: Vec<String> = watchers.iter().map(|w| w.addr.clone()).collect();
+            let watchers = self.watchers(&vol, &req.secrets).await?;
+            // A mapper of this node that died leaves its watch behind until
+            // the OSD times it out; that one is ours, not another writer.
+            let own = self.own_watchers(&id);
+            let foreign: Vec<String> = watchers.into_iter().filter(|w| !own.contains(w)).collect();
+            if !foreign.is_empty() {
                 return Err(Status::failed_precondition(format!(
                     "image {vol} is already in use read-write by {} (another node has it staged); it can be staged read-write on one node only",
-                    who.join(", ")
+                    foreign.join(", ")
                 )));
             }
         }
@@ -405,6 +439,11 @@ impl Node for NodeService {
         stash.device = Some(device.clone());
         stash.write(&staging)?;
         self.remember(&id, &staging)?;
+        if !read_only {
+            // Every watcher now is this node's mapper (or a dead one of it).
+            let now = self.watchers(&vol, &req.secrets).await?;
+            self.record_own_watchers(&id, &now);
+        }
 
         if block {
             ensure_file(&target).map_err(|e| io_status("create", &target, e))?;
