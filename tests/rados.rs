@@ -5,7 +5,7 @@ mod support;
 
 use std::time::Duration;
 
-use rbdkit::rados::{ConnectOptions, Secret};
+use rbdkit::rados::{ConnectOptions, Secret, DEFAULT_CONNECT_TIMEOUT, DEFAULT_OP_TIMEOUT};
 use rbdkit::ErrorKind;
 use support::ceph::{cluster, unique, TestCluster, POOL};
 
@@ -52,6 +52,75 @@ fn timeouts_default_to_bounded_values_and_can_be_set() {
         let v: f64 = d.config_get(opt).unwrap().parse().unwrap();
         assert!(v > 0.0 && v <= 60.0, "{opt} = {v}: must be bounded");
     }
+}
+
+/// The test cluster's ceph.conf without its three timeout lines, with
+/// `mon host` replaced when `mon_host` is given.
+fn conf_without_timeouts(dir: &std::path::Path, mon_host: Option<&str>) -> std::path::PathBuf {
+    let text = std::fs::read_to_string(TestCluster::get().conf()).unwrap();
+    let mut out = String::new();
+    for line in text.lines() {
+        let key = line.split('=').next().unwrap().trim().replace('_', " ");
+        if key.ends_with("timeout") {
+            continue;
+        }
+        match (key.as_str(), mon_host) {
+            ("mon host", Some(m)) => out.push_str(&format!("mon host = {m}\n")),
+            _ => out.push_str(&format!("{line}\n")),
+        }
+    }
+    assert!(!out.contains("mount timeout"), "{out}");
+    let path = dir.join("ceph.conf");
+    std::fs::write(&path, out).unwrap();
+    path
+}
+
+#[test]
+fn default_timeouts_apply_when_the_conf_sets_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let conf = conf_without_timeouts(dir.path(), None);
+    let c = ConnectOptions::new().conf_file(&conf).connect().unwrap();
+    for (opt, want) in [
+        ("client_mount_timeout", DEFAULT_CONNECT_TIMEOUT),
+        ("rados_mon_op_timeout", DEFAULT_OP_TIMEOUT),
+        ("rados_osd_op_timeout", DEFAULT_OP_TIMEOUT),
+    ] {
+        let v: f64 = c.config_get(opt).unwrap().parse().unwrap();
+        assert_eq!(v, want.as_secs_f64(), "{opt}");
+    }
+    // A value the file does set is kept.
+    let mut text = std::fs::read_to_string(&conf).unwrap();
+    text = text.replace("[global]\n", "[global]\nclient mount timeout = 12\n");
+    std::fs::write(&conf, text).unwrap();
+    let c = ConnectOptions::new().conf_file(&conf).connect().unwrap();
+    assert_eq!(c.config_get("client_mount_timeout").unwrap(), "12");
+}
+
+#[test]
+fn connect_to_a_dead_monitor_gives_up_after_the_default_timeout() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = tempfile::tempdir().unwrap();
+    let conf = conf_without_timeouts(dir.path(), Some(&format!("v1:127.0.0.1:{port}")));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let started = std::time::Instant::now();
+    std::thread::spawn(move || {
+        let _ = tx.send(ConnectOptions::new().conf_file(&conf).connect().map(|_| ()));
+    });
+    // Ceph's own client_mount_timeout is 300 s; ours is 30 s.
+    let res = rx
+        .recv_timeout(DEFAULT_CONNECT_TIMEOUT + Duration::from_secs(30))
+        .expect("connect is bounded by DEFAULT_CONNECT_TIMEOUT");
+    let e = res.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+    assert!(
+        started.elapsed() >= DEFAULT_CONNECT_TIMEOUT - Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
 }
 
 #[test]

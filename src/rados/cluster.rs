@@ -19,6 +19,13 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default bound on monitor and OSD operations: Ceph's own default waits forever.
 pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The timeouts `connect` bounds, in the order of its defaults.
+const TIMEOUT_OPTIONS: [&str; 3] = [
+    "client_mount_timeout",
+    "rados_mon_op_timeout",
+    "rados_osd_op_timeout",
+];
+
 /// A cephx key. Its `Debug` output is redacted, and it is handed to librados
 /// only through `rados_conf_set("key")`: it is never logged or put in errors.
 #[derive(Clone, PartialEq, Eq)]
@@ -205,7 +212,8 @@ impl ConnectOptions {
     ///
     /// Wraps `rados_create2`, `rados_conf_read_file`, `rados_conf_set` and
     /// `rados_connect`. Timeouts: an explicit option wins; otherwise a non-zero
-    /// value from the conf file is kept; otherwise the defaults
+    /// value that the conf file, `CEPH_ARGS` or [`ConnectOptions::set`]
+    /// changed from Ceph's built-in one is kept; otherwise the defaults
     /// ([`DEFAULT_CONNECT_TIMEOUT`], [`DEFAULT_OP_TIMEOUT`]) apply, so no call
     /// can wait forever.
     pub fn connect(&self) -> Result<Cluster> {
@@ -221,6 +229,9 @@ impl ConnectOptions {
         // even when a later step fails (rados_shutdown accepts an unconnected
         // handle).
         let handle = ClusterHandle { raw };
+        // Ceph's built-in timeouts, read before any file: a value equal to
+        // these after the file was read was not set by it.
+        let builtin = TIMEOUT_OPTIONS.map(|opt| handle.conf_get(opt).ok());
 
         match &self.source {
             ConfSource::Default => {
@@ -259,26 +270,26 @@ impl ConnectOptions {
         for (k, v) in &self.overrides {
             handle.conf_set(k, v)?;
         }
-        for (opt, explicit, default) in [
-            (
-                "client_mount_timeout",
-                self.connect_timeout,
-                DEFAULT_CONNECT_TIMEOUT,
-            ),
-            (
-                "rados_mon_op_timeout",
-                self.mon_op_timeout,
-                DEFAULT_OP_TIMEOUT,
-            ),
-            (
-                "rados_osd_op_timeout",
-                self.osd_op_timeout,
-                DEFAULT_OP_TIMEOUT,
-            ),
-        ] {
+        let explicit = [
+            (self.connect_timeout, DEFAULT_CONNECT_TIMEOUT),
+            (self.mon_op_timeout, DEFAULT_OP_TIMEOUT),
+            (self.osd_op_timeout, DEFAULT_OP_TIMEOUT),
+        ];
+        for ((opt, (explicit, default)), builtin) in
+            TIMEOUT_OPTIONS.into_iter().zip(explicit).zip(builtin)
+        {
+            let configured = handle.conf_get(opt).ok();
+            // Kept only when the file, CEPH_ARGS or an override changed it
+            // from Ceph's built-in value (300 s, or 0 = forever) to a
+            // non-zero one.
+            let set_by_config = configured != builtin
+                && configured
+                    .as_deref()
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+                    .is_some_and(|s| s > 0.0);
             let value = match explicit {
                 Some(t) => Some(t),
-                None if handle.conf_get_secs(opt).is_some_and(|s| s > 0.0) => None,
+                None if set_by_config => None,
                 None => Some(default),
             };
             if let Some(t) = value {
@@ -349,9 +360,6 @@ impl ClusterHandle {
         Ok(crate::util::string_from_buf(&buf))
     }
 
-    fn conf_get_secs(&self, option: &str) -> Option<f64> {
-        self.conf_get(option).ok()?.trim().parse().ok()
-    }
 }
 
 impl Drop for ClusterHandle {
