@@ -29,7 +29,7 @@ mod watchers;
 
 #[doc(hidden)]
 pub use aio::aio_live_requests;
-pub use aio::{AioClose, AioFuture, AioOpen, AioRead};
+pub use aio::{AioClose, AioFuture, AioOpen, AioRead, MAX_AIO_LEN};
 pub use clone::{clone, LinkedImage, ParentInfo};
 pub use config::{config_pool_list, ConfigOption, ConfigSource};
 pub use features::Features;
