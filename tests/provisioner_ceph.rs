@@ -229,3 +229,45 @@ fn image_operations_check_ownership_and_are_idempotent() {
         vec!["foreign", "pvc-2"]
     );
 }
+
+#[test]
+fn a_trash_entry_whose_owner_cannot_be_checked_is_not_purged() {
+    let ns = TestNs::new("trashowner");
+    let m = metrics();
+    let c = cluster();
+    let vol = |image: &str| VolumeId {
+        cluster_id: "test".into(),
+        pool: POOL.into(),
+        rados_namespace: ns.name.clone(),
+        image: image.into(),
+    };
+    let opts = ImageOptions::new();
+    let trashed = |name: &str| -> String {
+        ensure_image(&c, &m, &vol(name), 4 << 20, &opts, &owner(name)).unwrap();
+        let id = Image::open_read_only(&ns.ioctx, name).unwrap().id().unwrap();
+        rbd::trash_move(&ns.ioctx, name, Duration::ZERO).unwrap();
+        id
+    };
+    let in_trash = |id: &str| {
+        rbd::trash_list(&ns.ioctx)
+            .unwrap()
+            .iter()
+            .any(|e| e.id == id)
+    };
+
+    // Ours and readable: a retry finishes the purge.
+    let id = trashed("pvc-t1");
+    assert_eq!(
+        delete_image(&c, &m, &vol("pvc-t1"), "p.rbdkit.test", "pvc-t1").unwrap(),
+        Deleted::Purged
+    );
+    assert!(!in_trash(&id));
+
+    // Its header is gone, so it cannot be opened: never force-purged.
+    let id = trashed("pvc-t2");
+    ns.ioctx.remove(&format!("rbd_header.{id}")).unwrap();
+    let e = delete_image(&c, &m, &vol("pvc-t2"), "p.rbdkit.test", "pvc-t2").unwrap_err();
+    assert!(matches!(e, VolumeError::NotOwned { .. }), "{e}");
+    assert!(e.to_string().contains(&id), "{e}");
+    assert!(in_trash(&id), "the unverifiable entry is still in the trash");
+}
