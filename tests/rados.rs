@@ -124,6 +124,48 @@ fn connect_to_a_dead_monitor_gives_up_after_the_default_timeout() {
 }
 
 #[test]
+fn a_malformed_key_is_refused_before_librados_can_log_it() {
+    let t = TestCluster::get();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("client.log");
+    let bad = "AQD-not-a-valid-key-1234567";
+    let e = ConnectOptions::new()
+        .mon_host(t.conf_value("mon host").unwrap())
+        .user("admin")
+        .key(Secret::new(bad))
+        .set("log_file", log.display().to_string())
+        .set("log_to_stderr", "false")
+        .set("err_to_stderr", "false")
+        .connect_timeout(Duration::from_secs(10))
+        .connect()
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert!(!e.to_string().contains(bad), "{e}");
+    let logged = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(!logged.contains(bad), "librados logged the key:\n{logged}");
+    // A key set as a plain option is checked the same way.
+    let e = ConnectOptions::new()
+        .mon_host(t.conf_value("mon host").unwrap())
+        .set("key", bad)
+        .connect()
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+}
+
+#[test]
+fn the_key_is_never_read_back() {
+    let t = TestCluster::get();
+    let c = ConnectOptions::new()
+        .mon_host(t.conf_value("mon host").unwrap())
+        .key(Secret::new(t.admin_key()))
+        .connect()
+        .unwrap();
+    let e = c.config_get("key").unwrap_err();
+    assert!(!e.to_string().contains(&t.admin_key()), "{e}");
+    assert!(!c.config_get("mon_host").unwrap().is_empty());
+}
+
+#[test]
 fn pool_create_stats_and_delete() {
     let c = cluster();
     let name = unique("pool");

@@ -28,8 +28,96 @@ const TIMEOUT_OPTIONS: [&str; 3] = [
 
 /// A cephx key. Its `Debug` output is redacted, and it is handed to librados
 /// only through `rados_conf_set("key")`: it is never logged or put in errors.
+/// Its bytes are overwritten with zeroes when it is dropped.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret(String);
+
+impl Drop for Secret {
+    fn drop(&mut self) {
+        // SAFETY: only zero bytes are written, which keeps the String valid
+        // UTF-8; the buffer is freed right after.
+        zeroize(unsafe { self.0.as_mut_vec() });
+    }
+}
+
+/// Overwrites a buffer with zeroes in a way the compiler may not drop as a
+/// dead store.
+pub(crate) fn zeroize(buf: &mut [u8]) {
+    for b in buf.iter_mut() {
+        // SAFETY: `b` is a valid, aligned, exclusive reference to one byte.
+        unsafe { std::ptr::write_volatile(b, 0) };
+    }
+    std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Checks that a cephx key is what librados can decode (base64 of a
+/// `CryptoKey`: type u16, created 8 bytes, length u16, secret), so that
+/// librados never sees a bad one: it logs the value of a key it cannot
+/// decode. The error never shows the value.
+fn check_key(key: &str) -> Result<()> {
+    let bad = |why: &str| {
+        Err(Error::invalid(
+            "rados_conf_set",
+            "key",
+            format!("the cephx key is not valid ({why}; value not shown)"),
+        ))
+    };
+    let Some(raw) = base64_decode(key.trim().as_bytes()) else {
+        return bad("not base64");
+    };
+    let mut raw = raw;
+    let ok = raw.len() >= 12 && {
+        let kind = u16::from_le_bytes([raw[0], raw[1]]);
+        let len = u16::from_le_bytes([raw[10], raw[11]]) as usize;
+        // 0 = none, 1 = AES, whose secret is at least 16 bytes.
+        raw.len() == 12 + len && (kind == 0 || (kind == 1 && len >= 16))
+    };
+    zeroize(&mut raw);
+    if ok {
+        Ok(())
+    } else {
+        bad("base64, but not an encoded cephx key")
+    }
+}
+
+/// Standard base64 with `=` padding (what `ceph auth print-key` prints).
+fn base64_decode(text: &[u8]) -> Option<Vec<u8>> {
+    fn value(c: u8) -> Option<u32> {
+        Some(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        } as u32)
+    }
+    if text.is_empty() || text.len() % 4 != 0 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(text.len() / 4 * 3);
+    let groups = text.len() / 4;
+    for (i, g) in text.chunks(4).enumerate() {
+        let pad = g.iter().rev().take_while(|c| **c == b'=').count();
+        if pad > 2 || (pad > 0 && i + 1 != groups) {
+            return None;
+        }
+        let mut n = 0u32;
+        for c in &g[..4 - pad] {
+            n = (n << 6) | value(*c)?;
+        }
+        n <<= 6 * pad as u32;
+        let bytes = n.to_be_bytes();
+        out.extend_from_slice(&bytes[1..4 - pad]);
+    }
+    Some(out)
+}
+
+/// True for config option names that hold a cephx key (`key`, spelled
+/// with spaces, dashes or underscores and any case).
+fn is_key_option(option: &str) -> bool {
+    option.trim().eq_ignore_ascii_case("key")
+}
 
 impl Secret {
     /// Wraps a base64 cephx key.
@@ -92,7 +180,7 @@ enum ConfSource {
 ///     .connect()?;
 /// # Ok::<(), rbdkit::Error>(())
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ConnectOptions {
     source: ConfSource,
     user: String,
@@ -103,6 +191,30 @@ pub struct ConnectOptions {
     connect_timeout: Option<Duration>,
     mon_op_timeout: Option<Duration>,
     osd_op_timeout: Option<Duration>,
+}
+
+impl fmt::Debug for ConnectOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let overrides: Vec<(&str, &str)> = self
+            .overrides
+            .iter()
+            .map(|(k, v)| {
+                let shown = if is_key_option(k) { "<redacted>" } else { v };
+                (k.as_str(), shown)
+            })
+            .collect();
+        f.debug_struct("ConnectOptions")
+            .field("source", &self.source)
+            .field("user", &self.user)
+            .field("mon_host", &self.mon_host)
+            .field("key", &self.key)
+            .field("keyring", &self.keyring)
+            .field("overrides", &overrides)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("mon_op_timeout", &self.mon_op_timeout)
+            .field("osd_op_timeout", &self.osd_op_timeout)
+            .finish()
+    }
 }
 
 impl Default for ConnectOptions {
@@ -265,9 +377,13 @@ impl ConnectOptions {
             handle.conf_set("keyring", &k.display().to_string())?;
         }
         if let Some(key) = &self.key {
+            check_key(key.expose())?;
             handle.conf_set("key", key.expose())?;
         }
         for (k, v) in &self.overrides {
+            if is_key_option(k) {
+                check_key(v)?;
+            }
             handle.conf_set(k, v)?;
         }
         let explicit = [
@@ -420,8 +536,16 @@ impl Cluster {
     }
 
     /// The value of a librados config option on this connection, such as
-    /// `mon_host`. Wraps `rados_conf_get`.
+    /// `mon_host`. Wraps `rados_conf_get`. The cephx `key` is refused: it is
+    /// never handed out.
     pub fn config_get(&self, option: &str) -> Result<String> {
+        if is_key_option(option) {
+            return Err(Error::invalid(
+                "rados_conf_get",
+                option,
+                "the cephx key is not readable through config_get",
+            ));
+        }
         self.inner.conf_get(option)
     }
 
@@ -637,6 +761,53 @@ mod tests {
         assert_eq!(format!("{s:?}"), "Secret(<redacted>)");
         let o = ConnectOptions::new().key(s);
         assert!(!format!("{o:?}").contains("AQBsecret"));
+    }
+
+    #[test]
+    fn overrides_that_hold_a_key_are_redacted() {
+        let o = ConnectOptions::new()
+            .set("key", "AQBsecretsecret==")
+            .set("KEY ", "AQBother==")
+            .set("mon_host", "10.0.0.1");
+        let shown = format!("{o:?}");
+        assert!(!shown.contains("AQB"), "{shown}");
+        assert!(shown.contains("10.0.0.1"), "{shown}");
+    }
+
+    #[test]
+    fn keys_are_checked_without_echoing_them() {
+        // The shape `ceph auth get-key` prints (AES, 16-byte secret).
+        check_key("AQBb1mZnAAAAABAAeXf4S2m5bNXE4U4z0u7K6Q==").unwrap();
+        for bad in [
+            "",
+            "not-a-key!!",
+            "AQBb1mZnAAAAABAAeXf4S2m5bNXE4U4z0u7K6Q=",
+            "AQBb1mZnAAAAABAAeXf4S2m5bNXE4U4z0u7K6Q==AAAA",
+            "aGVsbG8gd29ybGQ=",
+            "AQ==",
+        ] {
+            let e = check_key(bad).unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument);
+            if !bad.is_empty() {
+                assert!(!e.to_string().contains(bad), "{e}");
+            }
+        }
+    }
+
+    #[test]
+    fn base64_round_trips() {
+        assert_eq!(base64_decode(b"aGVsbG8=").unwrap(), b"hello");
+        assert_eq!(base64_decode(b"aGVsbG8h").unwrap(), b"hello!");
+        assert_eq!(base64_decode(b"aGVsbA==").unwrap(), b"hell");
+        assert!(base64_decode(b"aGVs=G8=").is_none());
+        assert!(base64_decode(b"aGVsbG8").is_none());
+    }
+
+    #[test]
+    fn zeroize_clears_the_buffer() {
+        let mut b = *b"AQBsecret";
+        zeroize(&mut b);
+        assert_eq!(b, [0u8; 9]);
     }
 
     #[test]
