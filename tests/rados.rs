@@ -248,6 +248,41 @@ fn omap_set_get_list_remove() {
     assert_eq!(e.kind(), ErrorKind::NotFound);
 }
 
+/// Omap keys that are not UTF-8: `\x80` ones (their lossy form sorts after
+/// them) and `\xff` ones (it sorts before them).
+fn raw_keys(prefix: u8, n80: usize, nff: usize) -> Vec<Vec<u8>> {
+    let mut keys = Vec::new();
+    for i in 0..n80 {
+        keys.push([&[prefix, 0x80][..], format!("{i:05}").as_bytes()].concat());
+    }
+    for i in 0..nff {
+        keys.push([&[prefix, 0xff][..], format!("{i:05}").as_bytes()].concat());
+    }
+    keys
+}
+
+#[test]
+fn omap_lists_non_utf8_keys_exactly_once_across_pages() {
+    let io = cluster().ioctx_ns(POOL, &unique("rawomap")).unwrap();
+    let keys = raw_keys(b'k', 600, 10);
+    let pairs: Vec<(&[u8], &[u8])> = keys.iter().map(|k| (k.as_slice(), &k[2..])).collect();
+    io.omap_set_bytes("raw", &pairs).unwrap();
+    io.omap_set("raw", &[("plain", b"p".as_slice())]).unwrap();
+    let all = io.omap_list_bytes("raw", b"").unwrap();
+    assert_eq!(all.len(), keys.len() + 1);
+    for k in &keys {
+        assert_eq!(all[k], k[2..], "{k:?}");
+    }
+    let only = io.omap_list_bytes("raw", b"k\x80").unwrap();
+    assert_eq!(only.len(), 600);
+    // The text listing ends too, with the lossy forms of the same keys.
+    let lossy: std::collections::BTreeSet<String> = keys
+        .iter()
+        .map(|k| String::from_utf8_lossy(k).into_owned())
+        .collect();
+    assert_eq!(io.omap_list("raw", "").unwrap().len(), lossy.len() + 1);
+}
+
 #[test]
 fn object_listing_and_xattrs() {
     let io = cluster().ioctx_ns(POOL, &unique("listns")).unwrap();

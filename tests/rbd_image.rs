@@ -464,3 +464,32 @@ fn timestamps_op_features_overlap_and_object_map_rebuild() {
     assert_eq!(p.overlap().unwrap(), 0);
     assert!(ImageOptions::new().clone_format(3).is_err());
 }
+
+#[test]
+fn metadata_lists_non_utf8_keys_exactly_once_across_pages() {
+    let ns = TestNs::new("rawmeta");
+    rbd::create(&ns.ioctx, "img", MIB, &ImageOptions::new()).unwrap();
+    let img = Image::open(&ns.ioctx, "img").unwrap();
+    // Past one 256-key page: `\x80` keys (their lossy form sorts after them)
+    // and `\xff` keys (it sorts before them).
+    let mut keys = Vec::new();
+    for i in 0..300 {
+        keys.push([&b"m\x80"[..], format!("{i:05}").as_bytes()].concat());
+    }
+    for i in 0..5 {
+        keys.push([&b"m\xff"[..], format!("{i:05}").as_bytes()].concat());
+    }
+    for k in &keys {
+        img.metadata_set_bytes(k, &k[2..]).unwrap();
+    }
+    let all = img.metadata_list_bytes().unwrap();
+    assert_eq!(all.len(), keys.len());
+    for k in &keys {
+        assert_eq!(all[k], k[2..], "{k:?}");
+    }
+    let lossy: BTreeSet<String> = keys
+        .iter()
+        .map(|k| String::from_utf8_lossy(k).into_owned())
+        .collect();
+    assert_eq!(img.metadata_list().unwrap().len(), lossy.len());
+}
