@@ -312,12 +312,23 @@ mod tests {
 
     #[test]
     fn cvt_never_overflows_on_odd_negative_values() {
-        for ret in [i32::MIN as isize, -(1isize << 31), -(1isize << 40), isize::MIN] {
+        for ret in [
+            i32::MIN as isize,
+            -(1isize << 31),
+            -(1isize << 40),
+            isize::MIN,
+        ] {
             let e = cvt(ret, "rbd_read", || "p/i".into()).unwrap_err();
             assert_eq!(e.errno(), libc::EIO, "{ret}");
         }
-        assert_eq!(cvt(i32::MIN, "x", String::new).unwrap_err().errno(), libc::EIO);
-        assert_eq!(cvt(i64::MIN, "x", String::new).unwrap_err().errno(), libc::EIO);
+        assert_eq!(
+            cvt(i32::MIN, "x", String::new).unwrap_err().errno(),
+            libc::EIO
+        );
+        assert_eq!(
+            cvt(i64::MIN, "x", String::new).unwrap_err().errno(),
+            libc::EIO
+        );
     }
 
     #[test]

@@ -242,7 +242,10 @@ fn a_trash_entry_whose_owner_cannot_be_checked_is_not_purged() {
     let opts = ImageOptions::new();
     let trashed = |name: &str| -> String {
         ensure_image(&c, &m, &vol(name), 4 << 20, &opts, &owner(name)).unwrap();
-        let id = Image::open_read_only(&ns.ioctx, name).unwrap().id().unwrap();
+        let id = Image::open_read_only(&ns.ioctx, name)
+            .unwrap()
+            .id()
+            .unwrap();
         rbd::trash_move(&ns.ioctx, name, Duration::ZERO).unwrap();
         id
     };
@@ -267,5 +270,8 @@ fn a_trash_entry_whose_owner_cannot_be_checked_is_not_purged() {
     let e = delete_image(&c, &m, &vol("pvc-t2"), "p.rbdkit.test", "pvc-t2").unwrap_err();
     assert!(matches!(e, VolumeError::NotOwned { .. }), "{e}");
     assert!(e.to_string().contains(&id), "{e}");
-    assert!(in_trash(&id), "the unverifiable entry is still in the trash");
+    assert!(
+        in_trash(&id),
+        "the unverifiable entry is still in the trash"
+    );
 }

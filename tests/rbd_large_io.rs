@@ -17,7 +17,12 @@ fn reads_writes_and_discards_of_2_gib_and_more() {
 
     // Exactly 2^31 bytes: an int result of -2^31 once overflowed the errno.
     let at = 4096u64;
-    let marks = [0usize, GIB as usize - 1, GIB as usize, (2 * GIB) as usize - 1];
+    let marks = [
+        0usize,
+        GIB as usize - 1,
+        GIB as usize,
+        (2 * GIB) as usize - 1,
+    ];
     {
         let mut data = vec![0u8; 2 * GIB as usize];
         for (i, m) in marks.iter().enumerate() {

@@ -475,7 +475,6 @@ impl ClusterHandle {
         })?;
         Ok(crate::util::string_from_buf(&buf))
     }
-
 }
 
 impl Drop for ClusterHandle {

@@ -35,7 +35,8 @@ impl Image {
             // SAFETY: `chunk` is writable for its length (at most 1 GiB, so
             // the count fits librbd's int); librbd writes at most that many
             // bytes and returns the count.
-            let ret = unsafe { sys::rbd_read(self.raw(), at, chunk.len(), chunk.as_mut_ptr().cast()) };
+            let ret =
+                unsafe { sys::rbd_read(self.raw(), at, chunk.len(), chunk.as_mut_ptr().cast()) };
             let n = (self.cvt(ret, "rbd_read")? as usize).min(chunk.len());
             done += n;
             if n < chunk.len() {
@@ -158,7 +159,10 @@ impl Image {
             return Err(Error::invalid(
                 "rbd_compare_and_write",
                 self.spec(),
-                format!("{} bytes given; at most {MAX_SYNC_CHUNK} are allowed", data.len()),
+                format!(
+                    "{} bytes given; at most {MAX_SYNC_CHUNK} are allowed",
+                    data.len()
+                ),
             ));
         }
         let mut mismatch = 0u64;
