@@ -117,6 +117,10 @@ fn connect_to_a_dead_monitor_gives_up_after_the_default_timeout() {
     let e = res.unwrap_err();
     assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
     assert!(
+        e.to_string().contains(&format!(":{port}")),
+        "names the monitors: {e}"
+    );
+    assert!(
         started.elapsed() >= DEFAULT_CONNECT_TIMEOUT - Duration::from_secs(1),
         "{:?}",
         started.elapsed()
@@ -163,6 +167,45 @@ fn the_key_is_never_read_back() {
     let e = c.config_get("key").unwrap_err();
     assert!(!e.to_string().contains(&t.admin_key()), "{e}");
     assert!(!c.config_get("mon_host").unwrap().is_empty());
+}
+
+#[test]
+fn errors_of_cluster_wide_calls_name_the_cluster() {
+    // A cluster of this test's own, stopped while a connection is open.
+    let dir = tempfile::tempdir().unwrap();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/ceph-test-cluster");
+    let up = std::process::Command::new(script)
+        .arg("up")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        up.status.success(),
+        "{}",
+        String::from_utf8_lossy(&up.stderr)
+    );
+    let conf = dir.path().join("ceph.conf");
+    let c = ConnectOptions::new()
+        .conf_file(&conf)
+        .op_timeout(Duration::from_secs(3))
+        .connect()
+        .unwrap();
+    let mons = c.config_get("mon_host").unwrap();
+    let down = std::process::Command::new(script)
+        .arg("down")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        down.status.success(),
+        "{}",
+        String::from_utf8_lossy(&down.stderr)
+    );
+    let e = c.stats().unwrap_err();
+    assert_eq!(e.op(), "rados_cluster_stat");
+    assert!(e.object().contains(&mons), "{e}");
+    assert!(e.object().contains(&conf.display().to_string()), "{e}");
+    drop(c);
 }
 
 #[test]

@@ -320,6 +320,26 @@ impl ConnectOptions {
         &self.user
     }
 
+    /// Names the cluster for errors: its monitors (as configured), the conf
+    /// file they came from, and the user.
+    fn label(&self, handle: &ClusterHandle) -> String {
+        let mons = handle
+            .conf_get("mon_host")
+            .ok()
+            .filter(|m| !m.trim().is_empty())
+            .or_else(|| self.mon_host.clone())
+            .unwrap_or_else(|| "no monitors configured".into());
+        let conf = match &self.source {
+            ConfSource::File(p) => format!(", conf {}", p.display()),
+            ConfSource::Default => match std::env::var("CEPH_CONF") {
+                Ok(p) => format!(", conf {p}"),
+                Err(_) => ", default ceph.conf".into(),
+            },
+            ConfSource::None => String::new(),
+        };
+        format!("cluster mon_host={mons}{conf} as client.{}", self.user)
+    }
+
     /// Creates the handle, applies the configuration and connects.
     ///
     /// Wraps `rados_create2`, `rados_conf_read_file`, `rados_conf_set` and
@@ -340,7 +360,10 @@ impl ConnectOptions {
         // From here on the handle is owned; dropping `handle` shuts it down
         // even when a later step fails (rados_shutdown accepts an unconnected
         // handle).
-        let handle = ClusterHandle { raw };
+        let mut handle = ClusterHandle {
+            raw,
+            label: String::new(),
+        };
         // Ceph's built-in timeouts, read before any file: a value equal to
         // these after the file was read was not set by it.
         let builtin = TIMEOUT_OPTIONS.map(|opt| handle.conf_get(opt).ok());
@@ -413,13 +436,10 @@ impl ConnectOptions {
             }
         }
 
+        handle.label = self.label(&handle);
         // SAFETY: `raw` is a configured, not yet connected handle.
         let ret = unsafe { sys::rados_connect(raw) };
-        cvt(ret, "rados_connect", || {
-            self.mon_host
-                .clone()
-                .unwrap_or_else(|| format!("cluster as {target}"))
-        })?;
+        cvt(ret, "rados_connect", || handle.label.clone())?;
         Ok(Cluster {
             inner: Arc::new(handle),
         })
@@ -430,6 +450,8 @@ impl ConnectOptions {
 /// [`IoCtx`] or image that holds it is dropped.
 pub(crate) struct ClusterHandle {
     raw: sys::rados_t,
+    /// Which cluster, for errors: monitors, conf file and user.
+    label: String,
 }
 
 // SAFETY: librados' cluster handle (`librados::RadosClient`) guards its state
@@ -555,7 +577,7 @@ impl Cluster {
         // NUL-terminated fsid (37 bytes) or fails with -ERANGE.
         let ret =
             unsafe { sys::rados_cluster_fsid(self.raw(), buf.as_mut_ptr().cast(), buf.len()) };
-        cvt(ret, "rados_cluster_fsid", String::new)?;
+        cvt(ret, "rados_cluster_fsid", || self.inner.label.clone())?;
         Ok(crate::util::string_from_buf(&buf))
     }
 
@@ -569,7 +591,8 @@ impl Cluster {
     /// Names of all pools. Wraps `rados_pool_list`.
     pub fn pool_list(&self) -> Result<Vec<String>> {
         let mut needed = 0usize;
-        let buf = with_growing_buffer(1024, "rados_pool_list", &String::new, |buf| {
+        let label = || self.inner.label.clone();
+        let buf = with_growing_buffer(1024, "rados_pool_list", &label, |buf| {
             // SAFETY: `buf` is writable for `buf.len()` bytes. librados returns
             // the length it needs; if that is larger than the buffer, the
             // list is cut, so we treat it as ERANGE and retry.
@@ -643,7 +666,7 @@ impl Cluster {
         let mut st = sys::rados_cluster_stat_t::default();
         // SAFETY: `st` is a valid out-struct of the header's type.
         let ret = unsafe { sys::rados_cluster_stat(self.raw(), &mut st) };
-        cvt(ret, "rados_cluster_stat", String::new)?;
+        cvt(ret, "rados_cluster_stat", || self.inner.label.clone())?;
         Ok(ClusterStats {
             kb: st.kb,
             kb_used: st.kb_used,
