@@ -19,6 +19,10 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default bound on monitor and OSD operations: Ceph's own default waits forever.
 pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Held around every `rados_conf_parse_env`, which shares one static buffer
+/// between all handles of the process.
+static PARSE_ENV_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// The timeouts `connect` bounds, in the order of its defaults.
 const TIMEOUT_OPTIONS: [&str; 3] = [
     "client_mount_timeout",
@@ -387,10 +391,15 @@ impl ConnectOptions {
             }
             ConfSource::None => {}
         }
-        // SAFETY: NULL means "read CEPH_ARGS"; `raw` is live and unconnected.
-        // The header notes this call is not thread-safe (static buffer): it is
-        // only ever made here, on a handle no other thread can see yet.
-        let ret = unsafe { sys::rados_conf_parse_env(raw, ptr::null()) };
+        let ret = {
+            // librados.h: rados_conf_parse_env "uses a static buffer" and is
+            // not thread-safe, process-wide: serialise every call.
+            let _env = PARSE_ENV_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: NULL means "read CEPH_ARGS"; `raw` is live and
+            // unconnected; the lock above makes this the only
+            // rados_conf_parse_env call running in the process.
+            unsafe { sys::rados_conf_parse_env(raw, ptr::null()) }
+        };
         cvt(ret, "rados_conf_parse_env", || "CEPH_ARGS".into())?;
 
         if let Some(m) = &self.mon_host {
@@ -455,9 +464,10 @@ pub(crate) struct ClusterHandle {
 }
 
 // SAFETY: librados' cluster handle (`librados::RadosClient`) guards its state
-// with its own locks and is documented for use from many threads; the only
-// non-thread-safe call, rados_conf_parse_env (header: "BUG: this is not
-// threadsafe"), is made in `connect` before the handle is shared.
+// with its own locks and is documented for use from many threads. The one
+// call that is not thread-safe, rados_conf_parse_env (header: it "uses a
+// static buffer"), is unsafe process-wide, not per handle: `connect` makes
+// it only under PARSE_ENV_LOCK.
 unsafe impl Send for ClusterHandle {}
 // SAFETY: as above; every method here takes `&self` and maps to a librados
 // call that is safe to make concurrently on one connected handle.
@@ -830,6 +840,31 @@ mod tests {
         let mut b = *b"AQBsecret";
         zeroize(&mut b);
         assert_eq!(b, [0u8; 9]);
+    }
+
+    #[test]
+    fn conf_parse_env_is_serialised_process_wide() {
+        let held = PARSE_ENV_LOCK.lock().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            // Fails fast (bad key) right after rados_conf_parse_env.
+            let r = ConnectOptions::new()
+                .mon_host("127.0.0.1:1")
+                .key(Secret::new("not a key"))
+                .connect();
+            let _ = tx.send(r.map(|_| ()));
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        assert!(
+            rx.try_recv().is_err(),
+            "connect got past rados_conf_parse_env while another caller held it"
+        );
+        drop(held);
+        let e = rx
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument, "{e}");
     }
 
     #[test]
