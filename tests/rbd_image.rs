@@ -493,3 +493,43 @@ fn metadata_lists_non_utf8_keys_exactly_once_across_pages() {
         .collect();
     assert_eq!(img.metadata_list().unwrap().len(), lossy.len());
 }
+
+#[test]
+fn dropping_an_update_watch_with_a_stuck_callback_is_bounded() {
+    use std::sync::mpsc;
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+
+    let ns = TestNs::new("stuckwatch");
+    rbd::create(&ns.ioctx, "s", 4 * MIB, &ImageOptions::new()).unwrap();
+    let watched = Image::open(&ns.ioctx, "s").unwrap();
+    let (started_tx, started_rx) = mpsc::channel::<()>();
+    let (release_tx, release_rx) = mpsc::channel::<()>();
+    let started_tx = Mutex::new(started_tx);
+    let release_rx = Arc::new(Mutex::new(release_rx));
+    let rel = Arc::clone(&release_rx);
+    let mut watch = watched
+        .update_watch(move || {
+            let _ = started_tx.lock().unwrap().send(());
+            // Stuck until the test lets go (or 60 s).
+            let _ = rel.lock().unwrap().recv_timeout(Duration::from_secs(60));
+        })
+        .unwrap();
+    let other = support::ceph::TestCluster::get().connect();
+    let changer = Image::open(&other.ioctx_ns(POOL, &ns.name).unwrap(), "s").unwrap();
+    changer.resize(8 * MIB).unwrap();
+    started_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the callback runs");
+    watch.set_unwatch_timeout(Duration::from_secs(1));
+    let t = Instant::now();
+    drop(watch);
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "drop waited {:?} for a stuck callback",
+        t.elapsed()
+    );
+    // Once the callback returns, the image closes normally.
+    release_tx.send(()).unwrap();
+    watched.close().unwrap();
+}

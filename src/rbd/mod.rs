@@ -56,7 +56,7 @@ pub use trash::{
     trash_get, trash_list, trash_move, trash_purge, trash_remove, trash_restore, TrashEntry,
     TrashSource,
 };
-pub use watchers::{UpdateWatch, Watcher};
+pub use watchers::{UpdateWatch, Watcher, UNWATCH_TIMEOUT};
 
 /// The librbd version this process loaded, as `(major, minor, extra)`.
 /// Wraps `rbd_version`.
