@@ -517,11 +517,13 @@ fn check_buffer(image: &Image, op: &'static str, offset: u64, len: u64) -> Resul
 
 /// Checks a write's range against the image size before submitting:
 /// librbd's AIO path silently clips a write that runs past the end and
-/// still reports success, so the check has to happen here. (A resize that
-/// races with the write can still clip it, as it would for any client.)
+/// still reports success, so the check has to happen here. It uses the
+/// size last seen and asks librbd (a call that may block) only when the
+/// write reaches past it. (A resize that races with the write, or a shrink
+/// by another client, can still clip it, as it would for any client.)
 fn check_write_range(image: &Image, op: &'static str, offset: u64, len: u64) -> Result<()> {
     check_buffer(image, op, offset, len)?;
-    let size = image.size()?;
+    let size = image.size_covering(offset + len)?;
     if offset + len > size {
         return Err(crate::rbd::io::past_end(
             op,
