@@ -275,3 +275,32 @@ fn a_trash_entry_whose_owner_cannot_be_checked_is_not_purged() {
         "the unverifiable entry is still in the trash"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reaping_shuts_connections_down_outside_the_cache_lock() {
+    let conns = Connections::new(
+        BlockingPool::new(4),
+        Duration::from_secs(10),
+        Duration::from_secs(30),
+        std::sync::Arc::new(metrics()),
+    );
+    // rados_shutdown takes ~2 ms each here: 32 of them under the cache
+    // lock (which runtime threads take) held it for ~60 ms or more.
+    const N: usize = 32;
+    for i in 0..N {
+        let c = ClusterInfo {
+            cluster_id: format!("reap-{i}"),
+            ..info()
+        };
+        drop(conns.get(&c, &admin()).await.unwrap());
+    }
+    assert_eq!(conns.len(), N);
+    let t = Instant::now();
+    assert_eq!(conns.reap(Duration::ZERO), N);
+    let took = t.elapsed();
+    assert!(conns.is_empty());
+    assert!(
+        took < Duration::from_millis(30),
+        "reap held the cache for {took:?} (rados_shutdown under the lock?)"
+    );
+}
