@@ -4,7 +4,7 @@
 use std::fmt;
 use std::ptr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rbd_sys as sys;
 
@@ -87,6 +87,26 @@ pub fn remove(ioctx: &IoCtx, name: &str) -> Result<()> {
     let ret = unsafe { sys::rbd_remove(ioctx.raw(), n.as_ptr()) };
     cvt(ret, "rbd_remove", || ioctx.object_spec(name)).map_err(explain_remove)?;
     Ok(())
+}
+
+/// [`remove`] that stops once `deadline` passes, with an
+/// [`ErrorKind::TimedOut`] error; the image may then be partly removed (its
+/// data objects in part), and a later call finishes the job. Wraps
+/// `rbd_remove_with_progress`, whose progress callback checks the deadline.
+pub fn remove_with_deadline(ioctx: &IoCtx, name: &str, deadline: Instant) -> Result<()> {
+    let n = cstr(name, "rbd_remove_with_progress", "image name")?;
+    crate::util::with_deadline(
+        deadline,
+        "rbd_remove_with_progress",
+        || ioctx.object_spec(name),
+        |cb, arg| {
+            // SAFETY: the ioctx is live; `n` is NUL-terminated; `cb` and
+            // `arg` are the deadline callback and its `Instant`, which
+            // outlives this call.
+            unsafe { sys::rbd_remove_with_progress(ioctx.raw(), n.as_ptr(), cb, arg) }
+        },
+    )
+    .map_err(explain_remove)
 }
 
 fn explain_remove(e: Error) -> Error {
@@ -637,6 +657,23 @@ impl Image {
         let ret = unsafe { sys::rbd_flatten(self.raw) };
         self.cvt(ret, "rbd_flatten")?;
         Ok(())
+    }
+
+    /// [`Image::flatten`] that stops once `deadline` passes, with an
+    /// [`ErrorKind::TimedOut`] error; a later call goes on from where it
+    /// stopped. Wraps `rbd_flatten_with_progress`, whose progress callback
+    /// checks the deadline.
+    pub fn flatten_with_deadline(&self, deadline: Instant) -> Result<()> {
+        crate::util::with_deadline(
+            deadline,
+            "rbd_flatten_with_progress",
+            || self.spec(),
+            |cb, arg| {
+                // SAFETY: the image is open; `cb`/`arg` are the deadline
+                // callback and its `Instant`, which outlives this call.
+                unsafe { sys::rbd_flatten_with_progress(self.raw, cb, arg) }
+            },
+        )
     }
 
     /// Deallocates runs of zeroes of at least `sparse_size` bytes. Wraps
