@@ -45,6 +45,9 @@ fn remove_stops_at_its_deadline_and_a_retry_finishes() {
     rbd::remove_with_deadline(&ns.ioctx, "big", t + Duration::from_secs(600)).unwrap();
     eprintln!("full remove took {:?}", t.elapsed());
     assert!(rbd::list_names(&ns.ioctx).unwrap().is_empty());
+    // Other failures keep their kind, even past the deadline.
+    let e = rbd::remove_with_deadline(&ns.ioctx, "big", Instant::now()).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
 }
 
 #[test]
