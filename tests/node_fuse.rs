@@ -238,6 +238,27 @@ fn write_direct(dev: &Path, offset: u64, data: &[u8]) {
     f.sync_all().unwrap();
 }
 
+/// Processes with `dev` open, from `/proc/*/fd` (for failure messages).
+fn openers(dev: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for p in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            if std::fs::read_link(fd.path()).ok().as_deref() == Some(dev) {
+                let comm = std::fs::read_to_string(p.path().join("comm")).unwrap_or_default();
+                out.push(format!(
+                    "{} {}",
+                    p.file_name().to_string_lossy(),
+                    comm.trim()
+                ));
+            }
+        }
+    }
+    out
+}
+
 fn device_size(dev: &Path) -> u64 {
     let mut f = File::open(dev).unwrap();
     f.seek(SeekFrom::End(0)).unwrap()
@@ -381,8 +402,20 @@ fn fsynced_file_survives_kill9_of_the_daemon() {
     assert!(cond.contains("attach the volume again"), "{cond}");
     assert_eq!(d.mapper().find("vol-kill").unwrap(), None);
 
+    // The dead instance's exclusive lock is broken, not waited out (~30 s).
+    let t = Instant::now();
     let dev2 = d.mapper().map(&s).unwrap();
     let m = d.mount(&dev2, "m2");
+    assert!(
+        t.elapsed() < Duration::from_secs(15),
+        "re-attach and mount took {:?}",
+        t.elapsed()
+    );
+    assert!(
+        d.all_logs().contains("broke the exclusive lock"),
+        "{}",
+        d.all_logs()
+    );
     let back = std::fs::read(m.join("data")).unwrap();
     assert!(
         back == content,
@@ -427,8 +460,9 @@ fn restart_with_the_old_filesystem_still_mounted() {
     while still_bound() {
         assert!(
             Instant::now() < deadline,
-            "{} not cleared after its last close",
-            dev.display()
+            "{} not cleared after its last close; open by: {:?}",
+            dev.display(),
+            openers(&dev)
         );
         std::thread::sleep(Duration::from_millis(50));
     }

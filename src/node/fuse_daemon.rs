@@ -108,6 +108,9 @@ struct Record {
     file: String,
     device: Option<String>,
     size: u64,
+    /// The librados client address that opened the image (its lock owner).
+    #[serde(default)]
+    client_addr: Option<String>,
 }
 
 impl Record {
@@ -665,6 +668,7 @@ impl Daemon {
         }
 
         let read_only = spec.read_only || spec.snapshot.is_some();
+        let before_restart = self.lock_table().stale.get(&vol).cloned();
         let (conn_key, cluster) = self.connect(&spec)?;
         let opened = (|| {
             let ioctx = cluster.ioctx_ns(&spec.pool, &spec.namespace)?;
@@ -673,6 +677,9 @@ impl Daemon {
                 (None, true) => Image::open_read_only(&ioctx, &spec.image)?,
                 (None, false) => Image::open(&ioctx, &spec.image)?,
             };
+            if let Some(old) = before_restart.as_ref().filter(|_| !read_only) {
+                break_dead_lock(&image, old);
+            }
             let size = image.size()?;
             Ok::<_, Error>((image, size))
         })();
@@ -730,6 +737,7 @@ impl Daemon {
             file: name,
             device: Some(dev.display().to_string()),
             size,
+            client_addr: cluster.addrs().ok(),
         };
         tracing::info!(volume = %vol, image = %rec.image_spec(), device = %dev.display(), size, "attached");
         let mut t = self.lock_table();
@@ -921,6 +929,40 @@ impl Daemon {
                 pid: Some(std::process::id()),
                 ..Default::default()
             }),
+        }
+    }
+}
+
+/// The nonce of a librados address (`ip:port/nonce`): unique per client
+/// instance.
+fn addr_nonce(addr: &str) -> Option<&str> {
+    let tail = addr.rsplit('/').next()?;
+    let end = tail
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(tail.len());
+    (end > 0).then(|| &tail[..end])
+}
+
+/// A killed daemon leaves its exclusive lock behind, and librbd would wait
+/// for that client's watch to time out (about 30 s) before taking it over.
+/// We hold the state dir's flock, so the process that opened the image
+/// before the restart is dead: break the lock if (and only if) that very
+/// client instance owns it. librbd blocklists it while breaking.
+fn break_dead_lock(image: &Image, old: &Record) {
+    let Some(dead) = old.client_addr.as_deref().and_then(addr_nonce) else {
+        return;
+    };
+    let Ok((mode, owners)) = image.lock_owners() else {
+        return;
+    };
+    for owner in owners {
+        if addr_nonce(&owner) == Some(dead) {
+            match image.lock_break(mode, &owner) {
+                Ok(()) => tracing::info!(volume = %old.volume_id, owner = %owner,
+                    "broke the exclusive lock of this daemon's previous, dead instance"),
+                Err(e) => tracing::warn!(volume = %old.volume_id, owner = %owner, error = %e,
+                    "cannot break the dead instance's lock; librbd will wait for it to expire"),
+            }
         }
     }
 }
