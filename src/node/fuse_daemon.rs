@@ -63,6 +63,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, ErrorKind, Result};
 use crate::node::fuse::{AttachSpec, AttachmentStatus, ControlRequest, ControlResponse};
 use crate::node::fuse_kernel::{self as fk, op, InHeader, Reply};
+use crate::node::fuse_supervisor::StoreClient;
 use crate::node::loopdev;
 use crate::rados::{Cluster, ConnectOptions};
 use crate::rbd::Image;
@@ -85,6 +86,13 @@ pub struct FuseMapperArgs {
     /// Bound on connecting to a cluster and on each cluster operation.
     #[arg(long = "timeout", default_value = "30s", value_parser = humantime::parse_duration)]
     pub timeout: Duration,
+    /// Run the worker alone, without the supervisor that keeps the FUSE
+    /// connection alive across worker restarts.
+    #[arg(long = "no-supervisor")]
+    pub no_supervisor: bool,
+    /// Internal: run as the worker of a supervisor.
+    #[arg(long, hide = true)]
+    pub worker: bool,
 }
 
 const ROOT_INO: u64 = 1;
@@ -450,6 +458,8 @@ struct Daemon {
     ops: Mutex<()>,
     conns: Mutex<HashMap<(String, String), Cluster>>,
     timeout: Duration,
+    /// The supervisor that keeps fds and keys, if we run under one.
+    store: Option<StoreClient>,
 }
 
 fn io_err(e: std::io::Error, op: &'static str, object: &Path) -> Error {
@@ -616,6 +626,48 @@ impl Daemon {
         }
     }
 
+    /// Re-opens the image of a mapping the previous worker served (same
+    /// inode, file and device), after breaking that worker's lock.
+    fn reopen(&self, rec: &Record, key: &crate::rados::Secret) -> Result<Live> {
+        let spec = AttachSpec {
+            volume_id: rec.volume_id.clone(),
+            monitors: rec.monitors.clone(),
+            user: rec.user.clone(),
+            key: key.clone(),
+            pool: rec.pool.clone(),
+            namespace: rec.namespace.clone(),
+            image: rec.image.clone(),
+            snapshot: rec.snapshot.clone(),
+            read_only: rec.read_only,
+        };
+        let (conn_key, cluster) = self.connect(&spec)?;
+        let ioctx = cluster.ioctx_ns(&rec.pool, &rec.namespace)?;
+        let image = match (&rec.snapshot, rec.read_only) {
+            (Some(snap), _) => Image::open_snapshot(&ioctx, &rec.image, snap)?,
+            (None, true) => Image::open_read_only(&ioctx, &rec.image)?,
+            (None, false) => Image::open(&ioctx, &rec.image)?,
+        };
+        if !rec.read_only {
+            break_dead_lock(&image, rec);
+        }
+        let size = image.size()?;
+        let mut rec = rec.clone();
+        rec.size = size;
+        rec.client_addr = cluster.addrs().ok();
+        let node = Arc::new(Node {
+            ino: rec.ino,
+            name: rec.file.clone(),
+            image: Arc::new(image),
+            size: AtomicU64::new(size),
+            read_only: rec.read_only,
+        });
+        Ok(Live {
+            rec,
+            node,
+            conn_key,
+        })
+    }
+
     fn attach(&self, spec: AttachSpec) -> Result<ControlResponse> {
         let _ops = self.ops.lock().unwrap_or_else(|e| e.into_inner());
         let vol = spec.volume_id.clone();
@@ -683,6 +735,10 @@ impl Daemon {
             let size = image.size()?;
             Ok::<_, Error>((image, size))
         })();
+        let opened = opened.and_then(|v| match &self.store {
+            Some(store) => store.put_key(&vol, &spec.key).map(|()| v),
+            None => Ok(v),
+        });
         let (image, size) = match opened {
             Ok(v) => v,
             Err(e) => {
@@ -827,12 +883,18 @@ impl Daemon {
                 close_node(l.node);
             }
             self.drop_conn_if_unused(&conn_key);
+            if let Some(store) = &self.store {
+                store.drop_key(vol)?;
+            }
             tracing::info!(volume = %vol, "detached");
         } else if let Some(rec) = stale {
             // Its device was cleared at start-up; forget it.
             let mut t = self.lock_table();
             t.stale.remove(vol);
             self.save(&t)?;
+            if let Some(store) = &self.store {
+                store.drop_key(vol)?;
+            }
             tracing::info!(volume = %vol, device = ?rec.device, "forgot a mapping from before the restart");
         }
         Ok(ControlResponse {
@@ -1075,7 +1137,17 @@ fn lock_state_dir(dir: &Path) -> Result<File> {
         .custom_flags(libc::O_CLOEXEC)
         .open(&path)
         .map_err(|e| io_err(e, "open", &path))?;
-    // SAFETY: flock(2) on a live fd; the lock goes with the fd.
+    // A killed predecessor may still be exiting: wait for it, bounded.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        // SAFETY: flock(2) on a live fd; the lock goes with the fd.
+        let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if r == 0 || Instant::now() > deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // SAFETY: as above.
     let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     if r != 0 {
         return Err(
@@ -1179,8 +1251,17 @@ fn bind_socket(path: &Path) -> Result<UnixListener> {
     Ok(l)
 }
 
-/// Runs the daemon until it is killed or its filesystem is unmounted.
+/// Runs `rbdkit fuse-mapper`: the supervisor (which starts the worker),
+/// or the worker itself with `--worker` or `--no-supervisor`.
 pub fn run(args: FuseMapperArgs) -> Result<()> {
+    if !args.worker && !args.no_supervisor {
+        return crate::node::fuse_supervisor::supervise(args);
+    }
+    if args.worker {
+        // Die with the supervisor: without it nobody keeps our fds.
+        // SAFETY: prctl(2) PR_SET_PDEATHSIG with a signal number.
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+    }
     crate::k8s::telemetry::init(crate::k8s::telemetry::LogFormat::Text);
     let state_dir = args.state_dir.clone();
     std::fs::create_dir_all(&state_dir).map_err(|e| io_err(e, "mkdir", &state_dir))?;
@@ -1188,6 +1269,12 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
         .map_err(|e| io_err(e, "chmod", &state_dir))?;
     let _lock = lock_state_dir(&state_dir)?;
     let mnt = state_dir.join("mnt");
+    let store = args.worker.then(|| StoreClient::new(&state_dir));
+    // A supervisor that is gone makes this fail: then we must not run.
+    let kept = match &store {
+        Some(s) => Some(s.get()?),
+        None => None,
+    };
 
     let state_path = state_dir.join("state.json");
     let old: StateFile = match std::fs::read(&state_path) {
@@ -1201,8 +1288,6 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => StateFile::default(),
         Err(e) => return Err(io_err(e, "read", &state_path)),
     };
-    let cleared = recover(&mnt);
-    std::fs::create_dir_all(&mnt).map_err(|e| io_err(e, "mkdir", &mnt))?;
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(args.io_threads.max(1))
@@ -1215,41 +1300,97 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
         rt: rt.handle().clone(),
         alive: AtomicBool::new(true),
     });
-    let session = fk::mount(&mnt, "rbdkit-fuse")?;
-    tracing::info!(
-        mount = %mnt.display(),
-        kernel_minor = session.init.kernel_minor,
-        minor = session.init.minor,
-        max_write = session.init.max_write,
-        threads = args.threads,
-        "FUSE filesystem mounted"
-    );
-    let readers = fk::serve(&session, args.threads, Arc::clone(&fs))?;
-
     let mut table = Table {
         next_ino: old.next_ino.max(ROOT_INO + 1),
         ..Default::default()
     };
-    for rec in old.attachments {
-        table.stale.insert(rec.volume_id.clone(), rec);
-    }
+    let daemon_store = store.clone();
+    let (channels, init, resumed, keys) = match kept {
+        Some(crate::node::fuse_supervisor::Kept {
+            session: Some((init, fds)),
+            keys,
+        }) => {
+            // A previous worker died; its connection lives on in the supervisor.
+            let channels: Vec<Arc<fk::Channel>> = fds
+                .into_iter()
+                .map(|fd| Arc::new(fk::Channel::from_fd(fd)))
+                .collect();
+            (channels, init, true, keys)
+        }
+        other => {
+            let cleared = recover(&mnt);
+            std::fs::create_dir_all(&mnt).map_err(|e| io_err(e, "mkdir", &mnt))?;
+            let session = fk::mount(&mnt, "rbdkit-fuse")?;
+            let channels = fk::clone_channels(&session, args.threads)?;
+            if let Some(s) = &store {
+                let fds: Vec<_> = channels.iter().map(|c| c.as_fd()).collect();
+                s.put_session(session.init, &fds)?;
+            }
+            if !cleared.is_empty() || !old.attachments.is_empty() {
+                tracing::info!(
+                    cleared_devices = cleared.len(),
+                    stale = old.attachments.len(),
+                    "recovered from a previous run"
+                );
+            }
+            let keys = other.map(|k| k.keys).unwrap_or_default();
+            (channels, session.init, false, keys)
+        }
+    };
+    tracing::info!(
+        mount = %mnt.display(),
+        kernel_minor = init.kernel_minor,
+        minor = init.minor,
+        max_write = init.max_write,
+        resend = init.resend,
+        threads = channels.len(),
+        resumed,
+        "FUSE filesystem ready"
+    );
     let daemon = Arc::new(Daemon {
         state_dir: state_dir.clone(),
         mnt: mnt.clone(),
         fs: Arc::clone(&fs),
-        table: Mutex::new(table),
+        table: Mutex::new(Table::default()),
         ops: Mutex::new(()),
         conns: Mutex::new(HashMap::new()),
         timeout: args.timeout,
+        store: daemon_store,
     });
-    if !cleared.is_empty() || !daemon.lock_table().stale.is_empty() {
+    for rec in old.attachments {
+        let key = keys.get(&rec.volume_id);
+        match (resumed, key) {
+            (true, Some(key)) => match daemon.reopen(&rec, key) {
+                Ok(live) => {
+                    fs.nodes
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(live.node.ino, Arc::clone(&live.node));
+                    tracing::info!(volume = %rec.volume_id, device = ?rec.device, "took over a mapping of the previous worker");
+                    table.live.insert(rec.volume_id.clone(), live);
+                }
+                Err(e) => {
+                    tracing::error!(volume = %rec.volume_id, error = %e, "cannot re-open the image of a mapping");
+                    table.stale.insert(rec.volume_id.clone(), rec);
+                }
+            },
+            _ => {
+                table.stale.insert(rec.volume_id.clone(), rec);
+            }
+        }
+    }
+    *daemon.lock_table() = table;
+    daemon.save(&daemon.lock_table())?;
+    // Requests the dead worker had read go back to the queue first, and only
+    // then, with every image open, do we read: a request read by us before
+    // the resend would be moved back and served twice.
+    if resumed && init.resend {
+        fk::notify_resend(&channels[0])?;
         tracing::info!(
-            cleared_devices = cleared.len(),
-            stale = daemon.lock_table().stale.len(),
-            "recovered from a previous run"
+            "asked the kernel to resend the requests the previous worker had not answered"
         );
     }
-    daemon.save(&daemon.lock_table())?;
+    let readers = fk::serve(&channels, Arc::clone(&fs))?;
 
     // The filesystem ends when someone unmounts it: mark every mapping dead.
     {
@@ -1262,8 +1403,8 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
             tracing::error!("the FUSE filesystem was unmounted; mappings are dead");
         });
     }
-    // SIGTERM/SIGINT: flush every image, then exit. Mappings end with the
-    // process either way; flushing keeps what librbd still caches.
+    // SIGTERM/SIGINT: a clean stop. Flush every image, unmount, and let the
+    // supervisor close the session; the mappings end.
     {
         let daemon = Arc::clone(&daemon);
         rt.spawn(async move {
@@ -1287,8 +1428,10 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
             for img in images {
                 let _ = img.aio_flush().await;
             }
-            // The connection dies with us; do not leave a dead mount behind.
             let _ = fk::unmount_lazy(&daemon.mnt);
+            if let Some(s) = &daemon.store {
+                let _ = s.drop_session();
+            }
             tracing::info!("stopping on signal");
             std::process::exit(0);
         });
