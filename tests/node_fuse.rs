@@ -741,3 +741,49 @@ fn mounted_filesystem_survives_kill9_of_the_worker() {
     run("e2fsck", &["-fn", dev.to_str().unwrap()]);
     d.mapper().unmap("vol-worker", &[]).unwrap();
 }
+
+#[test]
+fn clean_stop_flushes_and_clears_everything() {
+    let ns = TestNs::new("fuse-stop");
+    let tmp = tempdir("stop");
+    let mut d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    let dev = d.mapper().map(&spec(&ns, "vol-stop", "img")).unwrap();
+    let data = pattern(8, MIB as usize);
+    write_direct(&dev, 0, &data);
+    let file = PathBuf::from(d.mapper().status("vol-stop").unwrap().unwrap().file);
+    let worker = d.worker_pid();
+    let mut child = d.child.take().unwrap();
+    // SAFETY: kill(2) of the supervisor this test started, by pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    // Well inside the supervisor's 30 s grace before it kills the worker.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the supervisor did not stop in 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "supervisor exited with {status}");
+    assert!(
+        parent_of(worker).is_none(),
+        "the worker outlived the clean stop"
+    );
+    assert!(loopdev::find_by_backing_file(&file).is_empty());
+    assert_ne!(loopdev::backing_file(&dev).as_deref(), Some(file.as_path()));
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mounts.contains(d.state_dir().to_str().unwrap()),
+        "the FUSE mount is left"
+    );
+    let img = Image::open(&ns.ioctx, "img").unwrap();
+    let mut back = vec![0u8; data.len()];
+    img.read_exact(0, &mut back).unwrap();
+    assert!(back == data);
+    // The image was closed (no watch left behind but our own).
+    assert_eq!(img.watchers().unwrap().len(), 1, "{:?}", img.watchers());
+}

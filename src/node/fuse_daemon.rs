@@ -20,32 +20,60 @@
 //! `/sys/block/loopN/loop/dio` as `direct_io`.
 //!
 //! # State, crash and restart
-//! The attachments (volume, image, device, file; never the key) are kept
-//! in `<state-dir>/state.json`, written atomically (temp file, fsync,
-//! rename, fsync of the folder). An exclusive `flock` on
-//! `<state-dir>/lock` keeps a second daemon off the same state.
+//! Two processes (see [`crate::node::fuse_supervisor`]): a supervisor that
+//! only holds the `/dev/fuse` fds and the keys and restarts the worker, and
+//! the worker (this module) that mounts, serves I/O and answers the control
+//! socket. `--no-supervisor` runs the worker alone.
 //!
-//! What survives a `kill -9` of the daemon, exactly:
-//! - **The data**: everything an `fsync` (or `sync`, or unmount) returned
-//!   for was flushed by librbd before the reply, so it is in the image.
-//! - **Not the mapping**: the FUSE connection dies with the process that
-//!   holds `/dev/fuse`, so the loop device and a filesystem mounted on it
-//!   get `EIO`/`ENOTCONN` from then on. Dirty data still in that
-//!   filesystem's page cache is lost (it was never fsynced).
-//! - **Recovery**: a restarted daemon finds every loop device whose backing
-//!   file is under its mount folder (bound before the crash, recorded in
-//!   the state or not yet) and clears it with `LOOP_CLR_FD`. A device that
-//!   is still open or mounted is not torn down under its user: the kernel
-//!   only marks it to be cleared on its last close. Then the dead FUSE
-//!   mount is detached lazily and a fresh one is made. Volumes recorded in
-//!   the state are reported by `status` as unhealthy ("the daemon
-//!   restarted") until `attach` is called again, which maps them on a new
-//!   device; `detach` forgets them. This is safe even while the old device
-//!   is still mounted: it can never reach the image again.
+//! The attachments (volume, image, inode, file, device, librados client
+//! address; never the key) are kept in `<state-dir>/state.json`, written
+//! atomically (temp file, fsync, rename, fsync of the folder). An exclusive
+//! `flock` on `<state-dir>/lock` keeps a second worker off the same state
+//! (and proves a previous one is dead).
 //!
-//! Keys live only in the memory of this process (inside the librados
-//! connections, one per monitors + user); after a restart, `attach` brings
-//! them again.
+//! What survives, exactly (each point has a test in `tests/node_fuse.rs`):
+//! - **The data, always**: everything an `fsync` (or `sync`, or unmount)
+//!   returned for was flushed by librbd before the reply, so it is in the
+//!   image whatever dies afterwards (`fsynced_file_survives_kill9_of_the_daemon`).
+//! - **`kill -9` of the worker: the mapping and the mount above it.** The
+//!   supervisor still holds every channel fd, so the kernel's connection,
+//!   the FUSE files and the loop devices stay; I/O waits in the kernel. The
+//!   new worker takes the fds and keys back, re-opens each image under the
+//!   same inode (breaking the dead worker's exclusive lock, below), asks the
+//!   kernel to resend what the dead worker had read but not answered
+//!   (`FUSE_NOTIFY_RESEND`, when INIT reported `FUSE_HAS_RESEND`), and only
+//!   then reads requests. Writes and fsyncs running in a mounted ext4 across
+//!   the kill complete without error, on the same device
+//!   (`mounted_filesystem_survives_kill9_of_the_worker`). A resent write may
+//!   reach the image twice, with the same data at the same offset. The
+//!   control socket is down for the restart (about 100 ms): calls fail fast.
+//! - **`kill -9` of the supervisor (or of the whole container): not the
+//!   mapping.** The worker dies with it (`PR_SET_PDEATHSIG`), the FUSE
+//!   connection with them, so the loop device and a filesystem on it get
+//!   `EIO`/`ENOTCONN` from then on; dirty data still in that filesystem's
+//!   page cache (never fsynced) is lost. A restarted daemon finds every loop
+//!   device whose backing file is under its mount folder (recorded in the
+//!   state or not yet) and clears it with `LOOP_CLR_FD`. A device still
+//!   open or mounted is not torn down under its user: the kernel only marks
+//!   it to be cleared on its last close. Then the dead FUSE mount is
+//!   detached lazily and a fresh one made. Volumes of the state are reported
+//!   by `status` as unhealthy ("the daemon restarted") until `attach` maps
+//!   them again on a new device; `detach` forgets them. That is safe even
+//!   while the old device is still mounted: it can never reach the image
+//!   again (`restart_with_the_old_filesystem_still_mounted`).
+//! - **The exclusive lock**: a dead worker still owns the image's exclusive
+//!   lock, and librbd would wait ~30 s for its watch to expire. The state
+//!   records each attachment's librados client address; on re-open the
+//!   worker breaks the lock if that exact client owns it (the flock proves
+//!   that process is dead; librbd blocklists it).
+//!
+//! - **A clean stop** (SIGTERM to the supervisor, forwarded to the worker)
+//!   flushes every image, clears the loop devices, unmounts and exits 0:
+//!   mappings end (`clean_stop_flushes_and_clears_everything`).
+//!
+//! Keys live only in memory: in the librados connections of the worker
+//! (one per monitors + user) and in the supervisor's store. After the
+//! supervisor is gone too, `attach` brings them again.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
@@ -1428,7 +1456,35 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
             for img in images {
                 let _ = img.aio_flush().await;
             }
+            // The devices cannot outlive us: clear them (a device still
+            // mounted is only marked, and goes on its last close).
+            let devices: Vec<String> = daemon
+                .lock_table()
+                .live
+                .values()
+                .filter_map(|l| l.rec.device.clone())
+                .collect();
+            for dev in devices {
+                let _ = loopdev::detach(Path::new(&dev));
+            }
             let _ = fk::unmount_lazy(&daemon.mnt);
+            // Close the images, so their exclusive locks and watches go now
+            // rather than when the cluster times them out. The state file
+            // keeps the records: they are reported dead after a restart.
+            let lives: Vec<Live> = std::mem::take(&mut daemon.lock_table().live)
+                .into_values()
+                .collect();
+            daemon
+                .fs
+                .nodes
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .clear();
+            tokio::task::block_in_place(|| {
+                for l in lives {
+                    close_node(l.node);
+                }
+            });
             if let Some(s) = &daemon.store {
                 let _ = s.drop_session();
             }
