@@ -787,3 +787,41 @@ fn clean_stop_flushes_and_clears_everything() {
     // The image was closed (no watch left behind but our own).
     assert_eq!(img.watchers().unwrap().len(), 1, "{:?}", img.watchers());
 }
+
+#[test]
+fn worker_restart_clears_a_device_whose_attach_did_not_finish() {
+    let ns = TestNs::new("fuse-half");
+    let tmp = tempdir("half");
+    let d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    let dev = d.mapper().map(&spec(&ns, "vol-half", "img")).unwrap();
+    let file = PathBuf::from(d.mapper().status("vol-half").unwrap().unwrap().file);
+    // As if the worker died after binding the device, before saving the
+    // record: drop the record from the state file, then kill -9 the worker.
+    let state_path = d.state_dir().join("state.json");
+    let mut state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&state_path).unwrap()).unwrap();
+    state["attachments"] = serde_json::json!([]);
+    std::fs::write(&state_path, serde_json::to_vec(&state).unwrap()).unwrap();
+    let old = d.worker_pid();
+    // SAFETY: kill(2) of the worker this test started, by pid.
+    unsafe { libc::kill(old as i32, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !matches!(d.mapper().ping(), Ok(p) if p != old) {
+        assert!(Instant::now() < deadline, "no new worker after 30 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        loopdev::find_by_backing_file(&file).is_empty(),
+        "{} is still bound to {}",
+        dev.display(),
+        file.display()
+    );
+    assert_eq!(d.mapper().status("vol-half").unwrap(), None);
+    // Attaching again works, on a new inode (file name).
+    let dev2 = d.mapper().map(&spec(&ns, "vol-half", "img")).unwrap();
+    let file2 = PathBuf::from(d.mapper().status("vol-half").unwrap().unwrap().file);
+    assert_ne!(file2, file);
+    assert_eq!(loopdev::backing_file(&dev2), Some(file2));
+    d.mapper().unmap("vol-half", &[]).unwrap();
+}

@@ -61,6 +61,10 @@
 //!   them again on a new device; `detach` forgets them. That is safe even
 //!   while the old device is still mounted: it can never reach the image
 //!   again (`restart_with_the_old_filesystem_still_mounted`).
+//! - **An attach killed after binding its device, before saving its
+//!   record** (so before it answered): the next worker clears that device
+//!   and never reuses its inode number
+//!   (`worker_restart_clears_a_device_whose_attach_did_not_finish`).
 //! - **The exclusive lock**: a dead worker still owns the image's exclusive
 //!   lock, and librbd would wait ~30 s for its watch to expire. The state
 //!   records each attachment's librados client address; on re-open the
@@ -1105,6 +1109,35 @@ fn close_node(node: Arc<Node>) {
     }
 }
 
+/// After a worker restart: a loop device on one of our files that no record
+/// names was bound by an attach killed before it saved its record (and so
+/// before it answered: nobody was given that device). Clear it, and never
+/// hand out its inode number again.
+fn clear_unrecorded_devices(mnt: &Path, table: &mut Table) {
+    for (dev, backing) in loopdev::list() {
+        let Ok(rel) = backing.strip_prefix(mnt) else {
+            continue;
+        };
+        let name = rel.to_string_lossy();
+        if table.live.values().any(|l| l.rec.file == name)
+            || table.stale.values().any(|r| r.file == name)
+        {
+            continue;
+        }
+        if let Some(ino) = name.split('.').next().and_then(|n| n.parse::<u64>().ok()) {
+            table.next_ino = table.next_ino.max(ino + 1);
+        }
+        match loopdev::detach(&dev) {
+            Ok(()) => {
+                tracing::info!(device = %dev.display(), file = %name, "cleared a loop device of an attach that did not finish")
+            }
+            Err(e) => {
+                tracing::warn!(device = %dev.display(), error = %e, "cannot clear a loop device of an unfinished attach")
+            }
+        }
+    }
+}
+
 /// What a previous run left: loop devices on our files and the dead mount.
 fn recover(mnt: &Path) -> Vec<PathBuf> {
     let mut cleared = Vec::new();
@@ -1406,6 +1439,9 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
                 table.stale.insert(rec.volume_id.clone(), rec);
             }
         }
+    }
+    if resumed {
+        clear_unrecorded_devices(&mnt, &mut table);
     }
     *daemon.lock_table() = table;
     daemon.save(&daemon.lock_table())?;
