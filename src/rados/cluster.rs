@@ -598,6 +598,26 @@ impl Cluster {
         unsafe { sys::rados_get_instance_id(self.raw()) }
     }
 
+    /// This client's addresses as the cluster sees them (the address a
+    /// lock owner or watcher is listed by). Wraps `rados_getaddrs`.
+    pub fn addrs(&self) -> Result<String> {
+        let mut out: *mut c_char = ptr::null_mut();
+        // SAFETY: the handle is connected; `out` is a valid out-pointer that
+        // librados sets to a buffer we free with rados_buffer_free (header).
+        let ret = unsafe { sys::rados_getaddrs(self.raw(), &mut out) };
+        cvt(ret, "rados_getaddrs", String::new)?;
+        if out.is_null() {
+            return Ok(String::new());
+        }
+        // SAFETY: on success `out` is a NUL-terminated string from librados.
+        let s = unsafe { std::ffi::CStr::from_ptr(out) }
+            .to_string_lossy()
+            .into_owned();
+        // SAFETY: `out` came from librados and is freed once, here.
+        unsafe { sys::rados_buffer_free(out) };
+        Ok(s)
+    }
+
     /// Names of all pools. Wraps `rados_pool_list`.
     pub fn pool_list(&self) -> Result<Vec<String>> {
         let mut needed = 0usize;
