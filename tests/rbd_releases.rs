@@ -6,11 +6,11 @@
 
 mod support;
 
+use futures::executor::block_on;
 use rbdkit::rbd::{
     self, EncryptionAlgorithm, EncryptionFormat, EncryptionSpec, Features, Image, ImageOptions,
     SnapNamespaceType, BUILT_LIBRBD_MINOR,
 };
-use futures::executor::block_on;
 use rbdkit::{Error, ErrorKind};
 use support::ceph::TestNs;
 
@@ -27,6 +27,11 @@ fn clone_v2() -> ImageOptions {
         .unwrap()
 }
 
+/// True when rbdkit was built against librbd 1.`minor` or newer.
+fn built_at_least(minor: u32) -> bool {
+    BUILT_LIBRBD_MINOR >= minor
+}
+
 /// Asserts that `e` is the "built against too old a librbd" error.
 fn assert_needs(e: &Error, minor: u32, release: &str) {
     assert_eq!(e.kind(), ErrorKind::NotSupported, "{e}");
@@ -38,7 +43,10 @@ fn assert_needs(e: &Error, minor: u32, release: &str) {
 fn built_version_matches_loaded_librbd() {
     let (major, minor, _) = rbd::version();
     assert_eq!(major, 1);
-    assert_eq!(minor as u32, BUILT_LIBRBD_MINOR, "headers and library differ");
+    assert_eq!(
+        minor as u32, BUILT_LIBRBD_MINOR,
+        "headers and library differ"
+    );
 }
 
 #[test]
@@ -48,7 +56,10 @@ fn removed_snapshot_with_clone_moves_to_trash_namespace() {
     let parent = Image::open(&ns.ioctx, "parent").unwrap();
     parent.snap_create("s1").unwrap();
     let id = parent.snap_id("s1").unwrap();
-    assert_eq!(parent.snap_namespace_type(id).unwrap(), SnapNamespaceType::User);
+    assert_eq!(
+        parent.snap_namespace_type(id).unwrap(),
+        SnapNamespaceType::User
+    );
     let not_trash = parent.snap_trash_original_name(id).unwrap_err();
     assert_eq!(not_trash.kind(), ErrorKind::InvalidArgument, "{not_trash}");
 
@@ -65,12 +76,15 @@ fn removed_snapshot_with_clone_moves_to_trash_namespace() {
     assert_eq!(parent.snap_trash_original_name(id).unwrap(), "s1");
     match parent.snap_trash_namespace(id) {
         Ok(t) => {
-            assert!(BUILT_LIBRBD_MINOR >= 19, "worked on librbd 1.{BUILT_LIBRBD_MINOR}");
+            assert!(
+                built_at_least(19),
+                "worked on librbd 1.{BUILT_LIBRBD_MINOR}"
+            );
             assert_eq!(t.original_name, "s1");
             assert_eq!(t.original_namespace_type, SnapNamespaceType::User);
         }
         Err(e) => {
-            assert!(BUILT_LIBRBD_MINOR < 19, "{e}");
+            assert!(!built_at_least(19), "{e}");
             assert_needs(&e, 19, "Ceph 19 Squid");
         }
     }
@@ -103,7 +117,11 @@ fn group_snapshot_namespace_and_clone_by_snap_id() {
     let ids: Vec<u64> = (lo + 1..hi)
         .filter(|&id| img.snap_namespace_type(id).ok() == Some(SnapNamespaceType::Group))
         .collect();
-    assert_eq!(ids.len(), 1, "group snapshots between ids {lo} and {hi}: {ids:?}");
+    assert_eq!(
+        ids.len(),
+        1,
+        "group snapshots between ids {lo} and {hi}: {ids:?}"
+    );
     let gid = ids[0];
     let g = img.snap_group_namespace(gid).unwrap();
     assert_eq!(g.group_name, "g");
@@ -115,7 +133,10 @@ fn group_snapshot_namespace_and_clone_by_snap_id() {
     img.write(0, b"written after the snapshots").unwrap();
     match rbd::clone_by_snap_id(&ns.ioctx, "img", gid, &ns.ioctx, "child", &clone_v2()) {
         Ok(()) => {
-            assert!(BUILT_LIBRBD_MINOR >= 19, "worked on librbd 1.{BUILT_LIBRBD_MINOR}");
+            assert!(
+                built_at_least(19),
+                "worked on librbd 1.{BUILT_LIBRBD_MINOR}"
+            );
             let child = Image::open(&ns.ioctx, "child").unwrap();
             let p = child.parent().unwrap().expect("the clone has a parent");
             assert_eq!(p.snap_id, gid);
@@ -127,14 +148,14 @@ fn group_snapshot_namespace_and_clone_by_snap_id() {
             rbd::remove(&ns.ioctx, "child").unwrap();
         }
         Err(e) => {
-            assert!(BUILT_LIBRBD_MINOR < 19, "{e}");
+            assert!(!built_at_least(19), "{e}");
             assert_needs(&e, 19, "Ceph 19 Squid");
             assert!(e.to_string().contains("img@{id "), "{e}");
         }
     }
     // And by the id of a user snapshot, on every release that has the call.
     let by_user = rbd::clone_by_snap_id(&ns.ioctx, "img", lo, &ns.ioctx, "c2", &clone_v2());
-    assert_eq!(by_user.is_ok(), BUILT_LIBRBD_MINOR >= 19, "{by_user:?}");
+    assert_eq!(by_user.is_ok(), built_at_least(19), "{by_user:?}");
     if by_user.is_ok() {
         rbd::remove(&ns.ioctx, "c2").unwrap();
     }
@@ -159,7 +180,7 @@ fn aio_compare_and_writev_writes_only_on_match() {
         vec![b"aaaa".to_vec(), b"bbbb".to_vec()],
         vec![b"cccc".to_vec(), b"dddd".to_vec()],
     ));
-    if BUILT_LIBRBD_MINOR < 18 {
+    if !built_at_least(18) {
         assert_needs(&res.unwrap_err(), 18, "Ceph 18 Reef");
         return;
     }
@@ -232,7 +253,7 @@ fn luks2_encrypted_image_reads_back_only_with_its_passphrase() {
             passphrase: PASS,
         }])
     });
-    if BUILT_LIBRBD_MINOR >= 18 {
+    if built_at_least(18) {
         assert_eq!(either.unwrap(), secret);
         assert_eq!(chain.unwrap(), secret);
     } else {

@@ -761,7 +761,9 @@ impl Image {
                 let e = Error::invalid(
                     OP,
                     self.spec(),
-                    format!("{cmp_total} bytes to compare but {total} to write; they must be equal"),
+                    format!(
+                        "{cmp_total} bytes to compare but {total} to write; they must be equal"
+                    ),
                 );
                 return self.aio_refused(e, finish_cmpwrite);
             }
@@ -807,7 +809,10 @@ impl Image {
         #[cfg(not(librbd_supports_compare_and_write_iovec))]
         {
             let _ = (offset, expected, data);
-            self.aio_refused(crate::rbd::needs_librbd(OP, self.spec(), 18), finish_cmpwrite)
+            self.aio_refused(
+                crate::rbd::needs_librbd(OP, self.spec(), 18),
+                finish_cmpwrite,
+            )
         }
     }
 

@@ -84,20 +84,16 @@ impl RawOpts {
     ) -> Result<RawOpts> {
         let (p, n) = (passphrase.as_ptr().cast(), passphrase.len());
         Ok(match format {
-            EncryptionFormat::Luks1 => {
-                RawOpts::Luks1(sys::rbd_encryption_luks1_format_options_t {
-                    alg: alg.raw(),
-                    passphrase: p,
-                    passphrase_size: n,
-                })
-            }
-            EncryptionFormat::Luks2 => {
-                RawOpts::Luks2(sys::rbd_encryption_luks2_format_options_t {
-                    alg: alg.raw(),
-                    passphrase: p,
-                    passphrase_size: n,
-                })
-            }
+            EncryptionFormat::Luks1 => RawOpts::Luks1(sys::rbd_encryption_luks1_format_options_t {
+                alg: alg.raw(),
+                passphrase: p,
+                passphrase_size: n,
+            }),
+            EncryptionFormat::Luks2 => RawOpts::Luks2(sys::rbd_encryption_luks2_format_options_t {
+                alg: alg.raw(),
+                passphrase: p,
+                passphrase_size: n,
+            }),
             #[cfg(librbd_supports_encryption_load2)]
             EncryptionFormat::Luks => {
                 let _ = (alg, op, object);

@@ -34,6 +34,8 @@ impl SnapNamespaceType {
             sys::RBD_SNAP_NAMESPACE_TYPE_GROUP => SnapNamespaceType::Group,
             sys::RBD_SNAP_NAMESPACE_TYPE_TRASH => SnapNamespaceType::Trash,
             sys::RBD_SNAP_NAMESPACE_TYPE_MIRROR => SnapNamespaceType::Mirror,
+            // The C enum's integer type is up to the compiler.
+            #[allow(clippy::unnecessary_cast)]
             other => SnapNamespaceType::Other(other as u32),
         }
     }
