@@ -874,6 +874,11 @@ def render(results, summary, cfg, mode):
     if mode == "full" and analysis.exists():
         L.append(analysis.read_text().rstrip())
         L.append("")
+    # The cross-release comparison, kept by bench/releases.py.
+    releases = RESULTS / "releases.md"
+    if mode == "full" and releases.exists():
+        L.append(releases.read_text().rstrip())
+        L.append("")
     return "\n".join(L)
 
 
