@@ -15,6 +15,8 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .expect("rbd-sys passes DEP_RBD_VERSION_MINOR");
+    // Named in the "needs a newer librbd" errors.
+    println!("cargo:rustc-env=RBDKIT_LIBRBD_MINOR={minor}");
     for known in KNOWN_MINORS {
         println!("cargo::rustc-check-cfg=cfg(librbd_1_{known})");
         if minor >= *known {
@@ -33,6 +35,12 @@ fn main() {
         "writesame",
         "write_zeroes",
         "encryption",
+        // Reef (1.18) and later
+        "compare_and_write_iovec",
+        "encryption_load2",
+        "diff_iterate3",
+        // Tentacle (1.20)
+        "group_snap_get_info",
     ] {
         println!("cargo::rustc-check-cfg=cfg(librbd_supports_{name})");
     }

@@ -175,7 +175,9 @@ def build_goceph():
     for f in sorted(src.glob("*.go")) + [src / "go.mod", src / "go.sum"]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
     h.update(sh(["go", "version"]).encode())
-    out = CACHE / f"goceph-bench-{h.hexdigest()[:16]}"
+    # Built against this release's headers (scripts/ceph-release sets it).
+    release = os.environ.get("RBDKIT_CEPH_RELEASE", "pacific")
+    out = CACHE / f"goceph-bench-{release}-{h.hexdigest()[:16]}"
     if out.exists():
         log(f"go-ceph contender is up to date ({out.name})")
         return out
@@ -185,7 +187,7 @@ def build_goceph():
     env = dict(os.environ, CGO_ENABLED="1")
     subprocess.run(["go", "build", "-buildvcs=false", "-tags", "pacific", "-o", str(tmp), "."],
                    cwd=src, env=env, check=True, stdout=sys.stderr)
-    for old in CACHE.glob("goceph-bench-*"):
+    for old in CACHE.glob(f"goceph-bench-{release}-*"):
         if old != tmp:
             old.unlink()
     tmp.rename(out)
@@ -872,6 +874,11 @@ def render(results, summary, cfg, mode):
     if mode == "full" and analysis.exists():
         L.append(analysis.read_text().rstrip())
         L.append("")
+    # The cross-release comparison, kept by bench/releases.py.
+    releases = RESULTS / "releases.md"
+    if mode == "full" and releases.exists():
+        L.append(releases.read_text().rstrip())
+        L.append("")
     return "\n".join(L)
 
 
@@ -937,7 +944,9 @@ def main():
 
     RESULTS.mkdir(exist_ok=True)
     if mode == "smoke":
-        (RESULTS / "smoke.json").write_text(json.dumps(results, indent=1) + "\n")
+        release = os.environ.get("RBDKIT_CEPH_RELEASE", "pacific")
+        name = "smoke.json" if release == "pacific" else f"smoke-{release}.json"
+        (RESULTS / name).write_text(json.dumps(results, indent=1) + "\n")
         print(table)
     elif args.no_write or sections != ["control", "concurrency", "data"]:
         (RESULTS / "partial.json").write_text(json.dumps(results, indent=1) + "\n")

@@ -12,7 +12,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 /// Minor versions of librbd 1.x that we know the Ceph release names of; each
-/// one present or older becomes a `librbd_1_NN` cfg flag.
+/// one present or older becomes a `librbd_1_NN` cfg flag. Checked against
+/// the headers: Pacific 16.2.15 reports 1.16, Reef 18.2.7 1.18, Tentacle
+/// 20.2.4 1.20 (Squid 19.2 reports 1.19).
 const KNOWN_MINORS: &[(u32, &str)] = &[
     (16, "pacific"),
     (17, "quincy"),
@@ -128,6 +130,18 @@ fn emit_version_cfgs(text: &str) {
         "rbd-sys supports librbd 1.x, found {major}.{minor}"
     );
 
+    let (newest, newest_name) = KNOWN_MINORS[KNOWN_MINORS.len() - 1];
+    if minor > newest {
+        println!(
+            "cargo:warning=rbd-sys: librbd 1.{minor} is newer than the newest release rbd-sys \
+             knows (1.{newest}, {newest_name}); cfg flags up to librbd_1_{newest} are set"
+        );
+    }
+    let release = KNOWN_MINORS
+        .iter()
+        .rev()
+        .find(|(m, _)| *m <= minor)
+        .map_or("older than pacific", |(_, name)| name);
     for (known, _) in KNOWN_MINORS {
         println!("cargo::rustc-check-cfg=cfg(librbd_1_{known})");
         if minor >= *known {
@@ -156,5 +170,6 @@ fn emit_version_cfgs(text: &str) {
     println!("cargo:version_major={major}");
     println!("cargo:version_minor={minor}");
     println!("cargo:version_extra={extra}");
+    println!("cargo:release={release}");
     println!("cargo:supports={}", supports.join(","));
 }

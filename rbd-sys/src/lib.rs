@@ -8,7 +8,11 @@
 //! `LIBRBD_SUPPORTS_*` macros into cfg flags for this crate
 //! (`librbd_1_NN`, `librbd_supports_<name>`) and passes them on to dependents
 //! through `links = "rbd"` metadata (`DEP_RBD_VERSION_MINOR`,
-//! `DEP_RBD_SUPPORTS`).
+//! `DEP_RBD_SUPPORTS`, `DEP_RBD_RELEASE`). Known releases: 1.16 Pacific,
+//! 1.17 Quincy, 1.18 Reef, 1.19 Squid, 1.20 Tentacle; a newer librbd gets
+//! every flag up to `librbd_1_20` and a build warning. Reef added
+//! `LIBRBD_SUPPORTS_COMPARE_AND_WRITE_IOVEC`, `_ENCRYPTION_LOAD2` and
+//! `_DIFF_ITERATE3`, Tentacle `_GROUP_SNAP_GET_INFO`.
 //!
 //! Note that `rados_t`, `rados_ioctx_t` and `rbd_image_t` are all `void *` in
 //! C, so the compiler cannot tell them apart here: only the safe wrapper types

@@ -154,6 +154,13 @@ enum Payload {
         _expected: Vec<u8>,
         _data: Vec<u8>,
     },
+    /// Scatter/gather compare-and-write: the expected and the new buffers,
+    /// each with its iovecs.
+    #[cfg_attr(not(librbd_supports_compare_and_write_iovec), allow(dead_code))]
+    PairV {
+        _expected: (Vec<Vec<u8>>, IoVecs),
+        _data: (Vec<Vec<u8>>, IoVecs),
+    },
 }
 
 /// Out-parameters librbd writes before it completes the request.
@@ -750,6 +757,83 @@ impl Image {
             };
             ret.clamp(c_int::MIN as isize, 0) as c_int
         })
+    }
+
+    /// Scatter/gather [`aio_compare_and_write`](Image::aio_compare_and_write):
+    /// writes the `data` buffers one after the other at `offset` only if the
+    /// range currently holds the `expected` buffers' bytes (the same total
+    /// length, 1 to 1024 buffers each). Resolves to `Ok(None)` when written,
+    /// or to `Ok(Some(offset_of_first_mismatch))` with nothing written.
+    /// Wraps `rbd_aio_compare_and_writev`, added in librbd 1.18 (Ceph 18
+    /// Reef); built against older headers it fails with `NotSupported`.
+    pub fn aio_compare_and_writev(
+        &self,
+        offset: u64,
+        expected: Vec<Vec<u8>>,
+        data: Vec<Vec<u8>>,
+    ) -> AioFuture<Option<u64>> {
+        const OP: &str = "rbd_aio_compare_and_writev";
+        #[cfg(librbd_supports_compare_and_write_iovec)]
+        {
+            let cmp_total: u64 = expected.iter().map(|b| b.len() as u64).sum();
+            let total: u64 = data.iter().map(|b| b.len() as u64).sum();
+            if cmp_total != total {
+                let e = Error::invalid(
+                    OP,
+                    self.spec(),
+                    format!(
+                        "{cmp_total} bytes to compare but {total} to write; they must be equal"
+                    ),
+                );
+                return self.aio_refused(e, finish_cmpwrite);
+            }
+            if let Err(e) = check_iovecs(self, OP, offset, expected.len(), total)
+                .and_then(|()| check_iovecs(self, OP, offset, data.len(), total))
+                .and_then(|()| check_write_range(self, OP, offset, total))
+            {
+                return self.aio_refused(e, finish_cmpwrite);
+            }
+            let (Payload::Bufs(eb, ei), cp, cn) = iovec_payload(expected) else {
+                unreachable!("iovec_payload returns Bufs")
+            };
+            let (Payload::Bufs(db, di), dp, dn) = iovec_payload(data) else {
+                unreachable!("iovec_payload returns Bufs")
+            };
+            let payload = Payload::PairV {
+                _expected: (eb, ei),
+                _data: (db, di),
+            };
+            let raw = self.raw();
+            self.aio_start(OP, payload, finish_cmpwrite, |out, c| {
+                // SAFETY: the image is open; `cp`/`dp` point to `cn`/`dn`
+                // iovecs over readable buffers, all owned by the request until
+                // the completion fires (librbd only reads them); the mismatch
+                // out-pointer lives in the request, so it outlives librbd's
+                // write to it (librbd.h: rbd_aio_compare_and_writev).
+                let ret = unsafe {
+                    sys::rbd_aio_compare_and_writev(
+                        raw,
+                        offset,
+                        cp,
+                        cn,
+                        dp,
+                        dn,
+                        c,
+                        out.mismatch.get(),
+                        0,
+                    )
+                };
+                ret.clamp(c_int::MIN as isize, 0) as c_int
+            })
+        }
+        #[cfg(not(librbd_supports_compare_and_write_iovec))]
+        {
+            let _ = (offset, expected, data);
+            self.aio_refused(
+                crate::rbd::needs_librbd(OP, self.spec(), 18),
+                finish_cmpwrite,
+            )
+        }
     }
 
     /// Opens an image read-write without blocking. Wraps `rbd_aio_open`.

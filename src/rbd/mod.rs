@@ -8,10 +8,13 @@
 //!
 //! [`IoCtx`]: crate::rados::IoCtx
 
+use crate::error::{Error, ErrorKind};
+
 pub mod aio;
 mod clone;
 mod config;
 mod diff;
+mod encryption;
 mod features;
 mod group;
 mod image;
@@ -21,6 +24,7 @@ mod metadata;
 mod migration;
 mod options;
 mod pool;
+mod snap_namespace;
 mod snapshot;
 #[cfg(feature = "service")]
 mod tokio_io;
@@ -30,8 +34,9 @@ mod watchers;
 #[doc(hidden)]
 pub use aio::aio_live_requests;
 pub use aio::{AioClose, AioFuture, AioOpen, AioRead, MAX_AIO_LEN};
-pub use clone::{clone, LinkedImage, ParentInfo};
+pub use clone::{clone, clone_by_snap_id, LinkedImage, ParentInfo};
 pub use config::{config_pool_list, ConfigOption, ConfigSource};
+pub use encryption::{EncryptionAlgorithm, EncryptionFormat, EncryptionSpec};
 pub use features::Features;
 pub use group::{
     group_create, group_image_add, group_image_list, group_image_remove, group_list, group_remove,
@@ -51,6 +56,7 @@ pub use pool::{
     namespace_create, namespace_exists, namespace_list, namespace_remove, pool_init,
     pool_metadata_get, pool_metadata_remove, pool_metadata_set, pool_stats, RbdPoolStats,
 };
+pub use snap_namespace::{GroupSnapNamespace, SnapNamespaceType, TrashSnapNamespace};
 pub use snapshot::SnapInfo;
 #[cfg(feature = "service")]
 pub use tokio_io::ImageIo;
@@ -67,4 +73,39 @@ pub fn version() -> (i32, i32, i32) {
     // SAFETY: three valid out-pointers; the call has no other preconditions.
     unsafe { rbd_sys::rbd_version(&mut major, &mut minor, &mut extra) };
     (major, minor, extra)
+}
+
+/// The librbd minor version (1.x) of the headers rbdkit was built against.
+pub const BUILT_LIBRBD_MINOR: u32 = match u32::from_str_radix(env!("RBDKIT_LIBRBD_MINOR"), 10) {
+    Ok(n) => n,
+    Err(_) => 0,
+};
+
+/// The Ceph release that shipped librbd 1.`minor`.
+pub(crate) fn release_name(minor: u32) -> &'static str {
+    match minor {
+        16 => "Ceph 16 Pacific",
+        17 => "Ceph 17 Quincy",
+        18 => "Ceph 18 Reef",
+        19 => "Ceph 19 Squid",
+        20 => "Ceph 20 Tentacle",
+        _ => "a newer Ceph",
+    }
+}
+
+/// The error of a call whose C function the librbd headers rbdkit was
+/// built against lack: `NotSupported`, naming the release that added it.
+#[allow(dead_code)] // unused when built against the newest headers
+pub(crate) fn needs_librbd(op: &'static str, object: impl Into<String>, minor: u32) -> Error {
+    Error::with_kind(
+        ErrorKind::NotSupported,
+        libc::EOPNOTSUPP,
+        op,
+        object,
+        format!(
+            "needs librbd 1.{minor} ({}) or newer; rbdkit was built against librbd 1.{BUILT_LIBRBD_MINOR} ({})",
+            release_name(minor),
+            release_name(BUILT_LIBRBD_MINOR)
+        ),
+    )
 }
