@@ -23,6 +23,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import node  # noqa: E402 - bench/node.py, next to this file
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 RESULTS = BENCH / "results"
@@ -57,6 +60,15 @@ FULL = {
         ("seqwrite", 4 * MiB, 16, 192),
         ("seqread", 4 * MiB, 16, 192),
     ],
+    # The node group (bench/node.py): fio through the userspace mapper.
+    "node_rounds": 8,
+    "node_image_bytes": 1 * GiB,
+    "node_workloads": [
+        ("randwrite", 4 * KiB, 16, 8000),
+        ("randread", 4 * KiB, 16, 8000),
+        ("seqwrite", 4 * MiB, 16, 128),
+        ("seqread", 4 * MiB, 16, 128),
+    ],
     "memstore": "6G",
 }
 
@@ -75,9 +87,18 @@ SMOKE = {
         ("seqwrite", 4 * MiB, 16, 16),
         ("seqread", 4 * MiB, 16, 16),
     ],
+    "node_rounds": 1,
+    "node_image_bytes": 64 * MiB,
+    "node_workloads": [
+        ("randwrite", 4 * KiB, 16, 200),
+        ("randread", 4 * KiB, 16, 200),
+        ("seqwrite", 4 * MiB, 16, 8),
+        ("seqread", 4 * MiB, 16, 8),
+    ],
     "memstore": "2G",
 }
 
+ALL_SECTIONS = ["control", "concurrency", "data", "node"]
 IMAGE_BYTES = 1 * GiB  # control-path images (thin: nothing is written)
 RUN_TIMEOUT = 600  # seconds for any one contender process
 
@@ -167,6 +188,17 @@ def build_rbdkit():
     subprocess.run(["cargo", "build", "--release", "-p", "rbdkit-bench"], cwd=REPO, check=True,
                    stdout=sys.stderr)
     return target / "release" / "rbdkit-bench"
+
+
+def build_mapper(smoke):
+    """The `rbdkit` binary for the node group's `rbdkit fuse-mapper`: release
+    for a full run; for smoke the debug build CI already has from the tests."""
+    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
+    profile = [] if smoke else ["--release"]
+    log(f"building rbdkit (cargo build {' '.join(profile + ['--bin', 'rbdkit'])})")
+    subprocess.run(["cargo", "build", *profile, "--bin", "rbdkit"], cwd=REPO, check=True,
+                   stdout=sys.stderr)
+    return target / ("debug" if smoke else "release") / "rbdkit"
 
 
 def build_goceph():
@@ -571,6 +603,9 @@ def summarize(results):
             targets.append(target(f"data {wk}: rbdkit blocking vs go-ceph",
                                   ratios.get(f"rbdkit-sync / go-ceph|{wk}"), 1.0,
                                   "data-goceph-sync", strict=True))
+    if results.get("node"):
+        s["node"], node_targets = node.summarize(results["node"], spread, med, target)
+        targets += node_targets
     s["targets"] = targets
     return s
 
@@ -679,6 +714,12 @@ def render(results, summary, cfg, mode):
     L.append(f"Machine: {m['nproc']} cores ({m['cpu']}), {m['memory']} RAM, {m['os']}, "
              f"kernel {m['kernel']}; {m['ceph']}; go-ceph {m['go_ceph']} with {m['go']}; "
              f"{m['python']}; {m['rustc']}. Commit {m['commit']}, {m['date']}.")
+    for sec, run in results.get("runs", {}).items():
+        rm = run["machine"]
+        L.append("")
+        L.append(f"The *{sec}* section was run on its own (`bench/run --only {sec} --merge`, "
+                 f"{run['elapsed_s'] / 60:.0f} minutes): commit {rm['commit']}, {rm['date']}, "
+                 f"kernel {rm['kernel']}; the other sections are from the run above.")
     if mode == "smoke":
         L.append("")
         L.append("**Smoke run: too short to mean anything; it only proves that every contender "
@@ -861,6 +902,8 @@ def render(results, summary, cfg, mode):
             L.append(f"| {wk} | " + " | ".join(cells) + " |")
         L.append("")
 
+    L += node.render(results, summary, cfg, fmt_ratio, fmt_num)
+
     if results.get("errors"):
         L.append("## Failures in this run")
         L.append("")
@@ -884,14 +927,19 @@ def main():
     ap = argparse.ArgumentParser(prog="bench/run", description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true",
                     help="tiny run for CI: proves every contender runs, writes nothing permanent")
-    ap.add_argument("--only", default="control,concurrency,data",
+    ap.add_argument("--only", default=",".join(ALL_SECTIONS),
                     help="comma-separated sections to run (default: all)")
     ap.add_argument("--no-write", action="store_true",
                     help="full run, but print the table instead of writing BENCHMARKS.md")
     ap.add_argument("--render", action="store_true",
                     help="run nothing: rewrite BENCHMARKS.md from bench/results/latest.json "
                          "(e.g. after editing bench/analysis.md)")
+    ap.add_argument("--merge", action="store_true",
+                    help="full run of the --only sections, folded into bench/results/latest.json "
+                         "(replacing those sections, keeping the others) and BENCHMARKS.md")
     args = ap.parse_args()
+    if args.merge and (args.smoke or args.no_write):
+        ap.error("--merge is for full runs that write")
     if args.render:
         results = json.loads((RESULTS / "latest.json").read_text())
         summary = summarize(results)
@@ -903,16 +951,20 @@ def main():
     mode = "smoke" if args.smoke else "full"
     sections = [s for s in args.only.split(",") if s]
     for s in sections:
-        if s not in ("control", "concurrency", "data"):
+        if s not in ALL_SECTIONS:
             ap.error(f"unknown section {s!r}")
 
     # SIGTERM (CI's timeout, a kill) must still take the cluster down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     start = time.perf_counter()
+    rbdkit_bin = goceph_bin = mapper_bin = None
     try:
-        rbdkit_bin = build_rbdkit()
-        goceph_bin = build_goceph()
+        if set(sections) & {"control", "concurrency", "data"}:
+            rbdkit_bin = build_rbdkit()
+            goceph_bin = build_goceph()
+        if "node" in sections:
+            mapper_bin = build_mapper(args.smoke)
     except (subprocess.CalledProcessError, OSError) as e:
         log(f"building the contenders failed: {e}")
         return 2
@@ -929,6 +981,9 @@ def main():
             results["concurrency"] = section_concurrency(c, cfg, errors, tag)
         if "data" in sections:
             results["data"] = section_data(c, cfg, errors, tag, pending)
+        if "node" in sections:
+            results["node"] = node.section_node(c, cfg, errors, tag, mapper_bin, POOL, rotate,
+                                                settle)
     results["machine"] = machine_info()
     results["elapsed_s"] = time.perf_counter() - start
     summary = summarize(results)
@@ -939,7 +994,22 @@ def main():
     if mode == "smoke":
         (RESULTS / "smoke.json").write_text(json.dumps(results, indent=1) + "\n")
         print(table)
-    elif args.no_write or sections != ["control", "concurrency", "data"]:
+    elif args.merge:
+        merged = json.loads((RESULTS / "latest.json").read_text())
+        merged["errors"] = [e for e in merged.get("errors", [])
+                            if e.split("/", 1)[0] not in sections] + errors
+        for sec in sections:
+            merged[sec] = results[sec]
+            merged.setdefault("runs", {})[sec] = {
+                "machine": results["machine"], "elapsed_s": results["elapsed_s"]}
+        merged["config"].update({k: v for k, v in cfg.items()
+                                 if any(k.startswith(f"{sec}_") for sec in sections)})
+        merged["summary"] = summarize(merged)
+        (RESULTS / "latest.json").write_text(json.dumps(merged, indent=1) + "\n")
+        (REPO / "BENCHMARKS.md").write_text(
+            render(merged, merged["summary"], merged["config"], merged["mode"]) + "\n")
+        log(f"merged {','.join(sections)} into bench/results/latest.json and BENCHMARKS.md")
+    elif args.no_write or sections != ALL_SECTIONS:
         (RESULTS / "partial.json").write_text(json.dumps(results, indent=1) + "\n")
         print(table)
     else:
