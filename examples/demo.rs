@@ -5,11 +5,12 @@
 //! gone.
 //!
 //! ```text
-//! RBDKIT_DEMO_USER_ID=kubernetes RBDKIT_DEMO_USER_KEY=... \
-//!   cargo run --example demo -- --kubeconfig K --ceph-conf C --deploy deploy
+//! cargo run --example demo -- --kubeconfig K --ceph-conf C --deploy deploy \
+//!   --user-id kubernetes --user-key-file KEYFILE
 //! ```
 //!
-//! The cephx key comes from the environment and only goes into the Secret.
+//! The cephx key is read from a file only its owner can read (mode 0600) and
+//! only goes into the Secret: never into argv or the environment.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -39,6 +40,12 @@ struct Args {
     /// The deploy/ directory.
     #[arg(long, default_value = "deploy")]
     deploy: PathBuf,
+    /// The cephx user the Secret names.
+    #[arg(long, default_value = "kubernetes")]
+    user_id: String,
+    /// A file (mode 0600) holding that user's cephx key.
+    #[arg(long)]
+    user_key_file: PathBuf,
     /// The size to expand the claim to.
     #[arg(long, default_value = "2Gi")]
     expand_to: String,
@@ -46,6 +53,24 @@ struct Args {
 
 const WAIT: Duration = Duration::from_secs(120);
 const FIELD_MANAGER: &str = "rbdkit-demo";
+
+/// The key in `path`, which must not be readable by group or others.
+fn read_key_file(path: &Path) -> anyhow::Result<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path)
+        .with_context(|| format!("stat {}", path.display()))?
+        .permissions()
+        .mode();
+    if mode & 0o077 != 0 {
+        bail!(
+            "{} is readable by others (mode {:o}); chmod 600 it",
+            path.display(),
+            mode & 0o777
+        );
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
+    Ok(text.trim().to_owned())
+}
 
 fn step(text: &str) {
     println!("\n\x1b[1m-- {text}\x1b[0m");
@@ -142,9 +167,8 @@ async fn main() -> anyhow::Result<()> {
     let (_, ns_doc) = load::<Namespace>(&args.deploy.join("namespace.yaml"))?;
     apply(&Api::<Namespace>::all(client.clone()), &ns_doc).await?;
     let (secret, mut secret_doc) = load::<Secret>(&args.deploy.join("example/secret.yaml"))?;
-    let user = std::env::var("RBDKIT_DEMO_USER_ID").context("RBDKIT_DEMO_USER_ID is not set")?;
-    let key = std::env::var("RBDKIT_DEMO_USER_KEY").context("RBDKIT_DEMO_USER_KEY is not set")?;
-    secret_doc["stringData"] = json!({"userID": user, "userKey": key});
+    let key = read_key_file(&args.user_key_file)?;
+    secret_doc["stringData"] = json!({"userID": args.user_id, "userKey": key});
     let secrets: Api<Secret> =
         Api::namespaced(client.clone(), &secret.namespace().unwrap_or_default());
     apply(&secrets, &secret_doc).await?;

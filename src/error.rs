@@ -219,7 +219,14 @@ where
     T: Copy + PartialOrd + Default + TryInto<i32>,
 {
     if ret < T::default() {
-        let errno = ret.try_into().map(|v: i32| -v).unwrap_or(libc::EIO);
+        // An errno is small and positive; anything else (i32::MIN, a length
+        // that wrapped negative) is reported as EIO rather than negated.
+        let errno = ret
+            .try_into()
+            .ok()
+            .and_then(|v: i32| v.checked_neg())
+            .filter(|e| *e < 4096)
+            .unwrap_or(libc::EIO);
         Err(Error::from_errno(errno, op, object()))
     } else {
         Ok(ret)
@@ -307,6 +314,27 @@ mod tests {
         );
         let e = cvt(-(libc::EBUSY as isize), "rbd_remove", || "p/i".into()).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Busy);
+    }
+
+    #[test]
+    fn cvt_never_overflows_on_odd_negative_values() {
+        for ret in [
+            i32::MIN as isize,
+            -(1isize << 31),
+            -(1isize << 40),
+            isize::MIN,
+        ] {
+            let e = cvt(ret, "rbd_read", || "p/i".into()).unwrap_err();
+            assert_eq!(e.errno(), libc::EIO, "{ret}");
+        }
+        assert_eq!(
+            cvt(i32::MIN, "x", String::new).unwrap_err().errno(),
+            libc::EIO
+        );
+        assert_eq!(
+            cvt(i64::MIN, "x", String::new).unwrap_err().errno(),
+            libc::EIO
+        );
     }
 
     #[test]

@@ -21,6 +21,58 @@ pub(crate) extern "C" fn no_progress(
     0
 }
 
+/// What [`deadline_progress`] gets as its argument.
+pub(crate) struct Deadline {
+    at: std::time::Instant,
+    /// Set once the callback asked librbd to stop.
+    fired: std::sync::atomic::AtomicBool,
+}
+
+/// A progress callback that stops the operation once the deadline its
+/// argument holds has passed: librbd aborts a long-running operation
+/// (remove, trash remove, flatten) when its progress callback returns
+/// non-zero, and calls it after each batch of objects.
+pub(crate) extern "C" fn deadline_progress(
+    _offset: u64,
+    _total: u64,
+    arg: *mut std::os::raw::c_void,
+) -> std::os::raw::c_int {
+    // SAFETY: the callers pass a pointer to a `Deadline` that outlives the
+    // (synchronous) librbd call that invokes this callback.
+    let d = unsafe { &*(arg as *const Deadline) };
+    if std::time::Instant::now() >= d.at {
+        d.fired.store(true, std::sync::atomic::Ordering::SeqCst);
+        -libc::ETIMEDOUT
+    } else {
+        0
+    }
+}
+
+/// Runs a librbd call given [`deadline_progress`] and a [`Deadline`], and
+/// turns the failure it causes into a [`crate::ErrorKind::TimedOut`] error.
+pub(crate) fn with_deadline(
+    deadline: std::time::Instant,
+    op: &'static str,
+    object: impl FnOnce() -> String,
+    call: impl FnOnce(ProgressFn, *mut std::os::raw::c_void) -> i32,
+) -> Result<()> {
+    let d = Deadline {
+        at: deadline,
+        fired: std::sync::atomic::AtomicBool::new(false),
+    };
+    let ret = call(Some(deadline_progress), &d as *const Deadline as *mut _);
+    if ret < 0 && d.fired.load(std::sync::atomic::Ordering::SeqCst) {
+        return Err(Error::from_errno(libc::ETIMEDOUT, op, object()).detail(
+            "the deadline passed and the operation was stopped part-way; call it again to finish",
+        ));
+    }
+    crate::error::cvt(ret, op, object)?;
+    Ok(())
+}
+
+/// librbd's progress callback type.
+pub(crate) type ProgressFn = rbd_sys::librbd_progress_fn_t;
+
 /// Calls a function of the `(char *buf, size_t *len)` kind, growing the
 /// buffer while it answers `-ERANGE` (librbd then sets `*len` to the size it
 /// needs). Returns the buffer cut to the length the call reported.

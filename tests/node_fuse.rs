@@ -89,9 +89,9 @@ impl Daemon {
         loop {
             if let Ok(p) = self.mapper().ping() {
                 assert_eq!(
-                    p,
-                    pid,
-                    "another daemon answers on {}",
+                    parent_of(p),
+                    Some(pid),
+                    "the worker answering on {} is not our supervisor's",
                     self.socket().display()
                 );
                 return;
@@ -110,7 +110,12 @@ impl Daemon {
         }
     }
 
-    /// `kill -9`, and reap it.
+    /// The worker's pid (from `ping`).
+    fn worker_pid(&self) -> u32 {
+        self.mapper().ping().expect("ping the worker")
+    }
+
+    /// `kill -9` of the supervisor (the worker dies with it), and reap it.
     fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
@@ -141,6 +146,9 @@ impl Daemon {
 
 impl Drop for Daemon {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- fuse-mapper logs ---\n{}", self.all_logs());
+        }
         for m in self.mounts.drain(..) {
             let _ = Command::new("umount").arg("-l").arg(&m).status();
         }
@@ -153,6 +161,13 @@ impl Drop for Daemon {
         }
         let _ = Command::new("umount").arg("-l").arg(&mnt).status();
     }
+}
+
+/// The parent pid of `pid`, from `/proc/<pid>/stat`.
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after = &stat[stat.rfind(')')? + 2..];
+    after.split(' ').nth(1)?.parse().ok()
 }
 
 fn run(cmd: &str, args: &[&str]) {
@@ -236,6 +251,27 @@ fn write_direct(dev: &Path, offset: u64, data: &[u8]) {
     a.get().copy_from_slice(data);
     f.write_all_at(a.get(), offset).unwrap();
     f.sync_all().unwrap();
+}
+
+/// Processes with `dev` open, from `/proc/*/fd` (for failure messages).
+fn openers(dev: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for p in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            if std::fs::read_link(fd.path()).ok().as_deref() == Some(dev) {
+                let comm = std::fs::read_to_string(p.path().join("comm")).unwrap_or_default();
+                out.push(format!(
+                    "{} {}",
+                    p.file_name().to_string_lossy(),
+                    comm.trim()
+                ));
+            }
+        }
+    }
+    out
 }
 
 fn device_size(dev: &Path) -> u64 {
@@ -381,8 +417,20 @@ fn fsynced_file_survives_kill9_of_the_daemon() {
     assert!(cond.contains("attach the volume again"), "{cond}");
     assert_eq!(d.mapper().find("vol-kill").unwrap(), None);
 
+    // The dead instance's exclusive lock is broken, not waited out (~30 s).
+    let t = Instant::now();
     let dev2 = d.mapper().map(&s).unwrap();
     let m = d.mount(&dev2, "m2");
+    assert!(
+        t.elapsed() < Duration::from_secs(15),
+        "re-attach and mount took {:?}",
+        t.elapsed()
+    );
+    assert!(
+        d.all_logs().contains("broke the exclusive lock"),
+        "{}",
+        d.all_logs()
+    );
     let back = std::fs::read(m.join("data")).unwrap();
     assert!(
         back == content,
@@ -427,8 +475,9 @@ fn restart_with_the_old_filesystem_still_mounted() {
     while still_bound() {
         assert!(
             Instant::now() < deadline,
-            "{} not cleared after its last close",
-            dev.display()
+            "{} not cleared after its last close; open by: {:?}",
+            dev.display(),
+            openers(&dev)
         );
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -524,15 +573,19 @@ fn the_key_is_nowhere_but_the_socket() {
         .unwrap();
     assert_eq!(r.attachments.len(), 1);
 
-    let pid = d.pid();
-    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
-    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
     let logs = d.all_logs();
     assert!(logs.contains("attached"), "the log is empty? {logs}");
     let needle = key.as_bytes();
     let has = |hay: &[u8]| hay.windows(needle.len()).any(|w| w == needle);
-    assert!(!has(&cmdline), "key in the daemon's cmdline");
-    assert!(!has(&environ), "key in the daemon's environment");
+    for pid in [d.pid(), d.worker_pid()] {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+        assert!(
+            !cmdline.is_empty() && !has(&cmdline),
+            "key in the cmdline of {pid}"
+        );
+        assert!(!has(&environ), "key in the environment of {pid}");
+    }
     assert!(!has(logs.as_bytes()), "key in the daemon's log");
     assert!(
         !has(answer.as_bytes()),
@@ -596,4 +649,179 @@ fn read_only_and_snapshot_mappings_refuse_writes() {
     assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{err}");
     assert!(d.mapper().status("vol-snap").unwrap().unwrap().read_only);
     d.mapper().unmap("vol-snap", &[]).unwrap();
+}
+
+/// Reads a whole file with O_DIRECT, so the data comes from the device (and
+/// so from the daemon), not the page cache. `len` must be 4096-aligned.
+fn read_file_direct(path: &Path, len: usize) -> Vec<u8> {
+    let f = open_direct(path, false);
+    let mut a = Aligned::new(len);
+    f.read_exact_at(a.get(), 0).unwrap();
+    a.get().to_vec()
+}
+
+#[test]
+fn mounted_filesystem_survives_kill9_of_the_worker() {
+    let ns = TestNs::new("fuse-worker");
+    let tmp = tempdir("worker");
+    let mut d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 256 * MIB, &ImageOptions::new()).unwrap();
+    let s = spec(&ns, "vol-worker", "img");
+    let dev = d.mapper().map(&s).unwrap();
+    run("mkfs.ext4", &["-q", dev.to_str().unwrap()]);
+    let m = d.mount(&dev, "m");
+    let a = pattern(7, 2 * MIB as usize);
+    std::fs::write(m.join("a"), &a).unwrap();
+    File::open(m.join("a")).unwrap().sync_all().unwrap();
+
+    // A writer that fsyncs every MiB, running across the worker's death.
+    let path_b = m.join("b");
+    let writer = std::thread::spawn(move || -> std::io::Result<Vec<u8>> {
+        let mut f = File::create(&path_b)?;
+        let mut all = Vec::new();
+        for i in 0..24u64 {
+            let chunk = pattern(100 + i, MIB as usize);
+            f.write_all(&chunk)?;
+            f.sync_all()?;
+            all.extend_from_slice(&chunk);
+            std::thread::sleep(Duration::from_millis(40));
+        }
+        Ok(all)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let old_worker = d.worker_pid();
+    assert!(!writer.is_finished(), "the writer ended before the kill");
+    // SAFETY: kill(2) of the worker this test started (through its
+    // supervisor), by pid.
+    unsafe { libc::kill(old_worker as i32, libc::SIGKILL) };
+
+    let killed_at = Instant::now();
+    let b = writer
+        .join()
+        .unwrap()
+        .expect("writes and fsyncs in the mounted filesystem failed across the worker's death");
+    // A new worker serves the same device.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let new_worker = loop {
+        match d.mapper().ping() {
+            Ok(p) if p != old_worker => break p,
+            _ => {}
+        }
+        assert!(Instant::now() < deadline, "no new worker after 30 s");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(parent_of(new_worker), Some(d.pid()));
+    eprintln!("writer finished {:?} after the kill", killed_at.elapsed());
+    let st = d.mapper().status("vol-worker").unwrap().unwrap();
+    assert!(st.healthy, "{st:?}");
+    assert_eq!(st.device.as_deref(), Some(dev.to_str().unwrap()));
+    assert_eq!(d.mapper().find("vol-worker").unwrap(), Some(dev.clone()));
+    // Both files read back through the device (O_DIRECT: not from cache).
+    assert!(
+        read_file_direct(&m.join("a"), a.len()) == a,
+        "file a differs"
+    );
+    assert!(
+        read_file_direct(&m.join("b"), b.len()) == b,
+        "file b differs"
+    );
+    let logs = d.all_logs();
+    assert!(logs.contains("took over a mapping"), "{logs}");
+    assert!(logs.contains("resend"), "{logs}");
+
+    // Once more while idle: I/O right after the kill waits for the next
+    // worker instead of failing.
+    let w = d.worker_pid();
+    // SAFETY: as above.
+    unsafe { libc::kill(w as i32, libc::SIGKILL) };
+    std::fs::write(m.join("c"), vec![9u8; 8192]).unwrap();
+    File::open(m.join("c")).unwrap().sync_all().unwrap();
+    assert_eq!(read_file_direct(&m.join("c"), 8192), vec![9u8; 8192]);
+    d.umount(&m);
+    run("e2fsck", &["-fn", dev.to_str().unwrap()]);
+    d.mapper().unmap("vol-worker", &[]).unwrap();
+}
+
+#[test]
+fn clean_stop_flushes_and_clears_everything() {
+    let ns = TestNs::new("fuse-stop");
+    let tmp = tempdir("stop");
+    let mut d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    let dev = d.mapper().map(&spec(&ns, "vol-stop", "img")).unwrap();
+    let data = pattern(8, MIB as usize);
+    write_direct(&dev, 0, &data);
+    let file = PathBuf::from(d.mapper().status("vol-stop").unwrap().unwrap().file);
+    let worker = d.worker_pid();
+    let mut child = d.child.take().unwrap();
+    // SAFETY: kill(2) of the supervisor this test started, by pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    // Well inside the supervisor's 30 s grace before it kills the worker.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the supervisor did not stop in 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "supervisor exited with {status}");
+    assert!(
+        parent_of(worker).is_none(),
+        "the worker outlived the clean stop"
+    );
+    assert!(loopdev::find_by_backing_file(&file).is_empty());
+    assert_ne!(loopdev::backing_file(&dev).as_deref(), Some(file.as_path()));
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mounts.contains(d.state_dir().to_str().unwrap()),
+        "the FUSE mount is left"
+    );
+    let img = Image::open(&ns.ioctx, "img").unwrap();
+    let mut back = vec![0u8; data.len()];
+    img.read_exact(0, &mut back).unwrap();
+    assert!(back == data);
+    // The image was closed (no watch left behind but our own).
+    assert_eq!(img.watchers().unwrap().len(), 1, "{:?}", img.watchers());
+}
+
+#[test]
+fn worker_restart_clears_a_device_whose_attach_did_not_finish() {
+    let ns = TestNs::new("fuse-half");
+    let tmp = tempdir("half");
+    let d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    let dev = d.mapper().map(&spec(&ns, "vol-half", "img")).unwrap();
+    let file = PathBuf::from(d.mapper().status("vol-half").unwrap().unwrap().file);
+    // As if the worker died after binding the device, before saving the
+    // record: drop the record from the state file, then kill -9 the worker.
+    let state_path = d.state_dir().join("state.json");
+    let mut state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&state_path).unwrap()).unwrap();
+    state["attachments"] = serde_json::json!([]);
+    std::fs::write(&state_path, serde_json::to_vec(&state).unwrap()).unwrap();
+    let old = d.worker_pid();
+    // SAFETY: kill(2) of the worker this test started, by pid.
+    unsafe { libc::kill(old as i32, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !matches!(d.mapper().ping(), Ok(p) if p != old) {
+        assert!(Instant::now() < deadline, "no new worker after 30 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        loopdev::find_by_backing_file(&file).is_empty(),
+        "{} is still bound to {}",
+        dev.display(),
+        file.display()
+    );
+    assert_eq!(d.mapper().status("vol-half").unwrap(), None);
+    // Attaching again works, on a new inode (file name).
+    let dev2 = d.mapper().map(&spec(&ns, "vol-half", "img")).unwrap();
+    let file2 = PathBuf::from(d.mapper().status("vol-half").unwrap().unwrap().file);
+    assert_ne!(file2, file);
+    assert_eq!(loopdev::backing_file(&dev2), Some(file2));
+    d.mapper().unmap("vol-half", &[]).unwrap();
 }

@@ -5,7 +5,7 @@ mod support;
 
 use std::time::Duration;
 
-use rbdkit::rados::{ConnectOptions, Secret};
+use rbdkit::rados::{ConnectOptions, Secret, DEFAULT_CONNECT_TIMEOUT, DEFAULT_OP_TIMEOUT};
 use rbdkit::ErrorKind;
 use support::ceph::{cluster, unique, TestCluster, POOL};
 
@@ -52,6 +52,160 @@ fn timeouts_default_to_bounded_values_and_can_be_set() {
         let v: f64 = d.config_get(opt).unwrap().parse().unwrap();
         assert!(v > 0.0 && v <= 60.0, "{opt} = {v}: must be bounded");
     }
+}
+
+/// The test cluster's ceph.conf without its three timeout lines, with
+/// `mon host` replaced when `mon_host` is given.
+fn conf_without_timeouts(dir: &std::path::Path, mon_host: Option<&str>) -> std::path::PathBuf {
+    let text = std::fs::read_to_string(TestCluster::get().conf()).unwrap();
+    let mut out = String::new();
+    for line in text.lines() {
+        let key = line.split('=').next().unwrap().trim().replace('_', " ");
+        if key.ends_with("timeout") {
+            continue;
+        }
+        match (key.as_str(), mon_host) {
+            ("mon host", Some(m)) => out.push_str(&format!("mon host = {m}\n")),
+            _ => out.push_str(&format!("{line}\n")),
+        }
+    }
+    assert!(!out.contains("mount timeout"), "{out}");
+    let path = dir.join("ceph.conf");
+    std::fs::write(&path, out).unwrap();
+    path
+}
+
+#[test]
+fn default_timeouts_apply_when_the_conf_sets_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let conf = conf_without_timeouts(dir.path(), None);
+    let c = ConnectOptions::new().conf_file(&conf).connect().unwrap();
+    for (opt, want) in [
+        ("client_mount_timeout", DEFAULT_CONNECT_TIMEOUT),
+        ("rados_mon_op_timeout", DEFAULT_OP_TIMEOUT),
+        ("rados_osd_op_timeout", DEFAULT_OP_TIMEOUT),
+    ] {
+        let v: f64 = c.config_get(opt).unwrap().parse().unwrap();
+        assert_eq!(v, want.as_secs_f64(), "{opt}");
+    }
+    // A value the file does set is kept.
+    let mut text = std::fs::read_to_string(&conf).unwrap();
+    text = text.replace("[global]\n", "[global]\nclient mount timeout = 12\n");
+    std::fs::write(&conf, text).unwrap();
+    let c = ConnectOptions::new().conf_file(&conf).connect().unwrap();
+    assert_eq!(c.config_get("client_mount_timeout").unwrap(), "12");
+}
+
+#[test]
+fn connect_to_a_dead_monitor_gives_up_after_the_default_timeout() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = tempfile::tempdir().unwrap();
+    let conf = conf_without_timeouts(dir.path(), Some(&format!("v1:127.0.0.1:{port}")));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let started = std::time::Instant::now();
+    std::thread::spawn(move || {
+        let _ = tx.send(ConnectOptions::new().conf_file(&conf).connect().map(|_| ()));
+    });
+    // Ceph's own client_mount_timeout is 300 s; ours is 30 s.
+    let res = rx
+        .recv_timeout(DEFAULT_CONNECT_TIMEOUT + Duration::from_secs(30))
+        .expect("connect is bounded by DEFAULT_CONNECT_TIMEOUT");
+    let e = res.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+    assert!(
+        e.to_string().contains(&format!(":{port}")),
+        "names the monitors: {e}"
+    );
+    assert!(
+        started.elapsed() >= DEFAULT_CONNECT_TIMEOUT - Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_malformed_key_is_refused_before_librados_can_log_it() {
+    let t = TestCluster::get();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("client.log");
+    let bad = "AQD-not-a-valid-key-1234567";
+    let e = ConnectOptions::new()
+        .mon_host(t.conf_value("mon host").unwrap())
+        .user("admin")
+        .key(Secret::new(bad))
+        .set("log_file", log.display().to_string())
+        .set("log_to_stderr", "false")
+        .set("err_to_stderr", "false")
+        .connect_timeout(Duration::from_secs(10))
+        .connect()
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert!(!e.to_string().contains(bad), "{e}");
+    let logged = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(!logged.contains(bad), "librados logged the key:\n{logged}");
+    // A key set as a plain option is checked the same way.
+    let e = ConnectOptions::new()
+        .mon_host(t.conf_value("mon host").unwrap())
+        .set("key", bad)
+        .connect()
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+}
+
+#[test]
+fn the_key_is_never_read_back() {
+    let t = TestCluster::get();
+    let c = ConnectOptions::new()
+        .mon_host(t.conf_value("mon host").unwrap())
+        .key(Secret::new(t.admin_key()))
+        .connect()
+        .unwrap();
+    let e = c.config_get("key").unwrap_err();
+    assert!(!e.to_string().contains(&t.admin_key()), "{e}");
+    assert!(!c.config_get("mon_host").unwrap().is_empty());
+}
+
+#[test]
+fn errors_of_cluster_wide_calls_name_the_cluster() {
+    // A cluster of this test's own, stopped while a connection is open.
+    let dir = tempfile::tempdir().unwrap();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/ceph-test-cluster");
+    let up = std::process::Command::new(script)
+        .arg("up")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        up.status.success(),
+        "{}",
+        String::from_utf8_lossy(&up.stderr)
+    );
+    let conf = dir.path().join("ceph.conf");
+    let c = ConnectOptions::new()
+        .conf_file(&conf)
+        .op_timeout(Duration::from_secs(3))
+        .connect()
+        .unwrap();
+    let mons = c.config_get("mon_host").unwrap();
+    let down = std::process::Command::new(script)
+        .arg("down")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        down.status.success(),
+        "{}",
+        String::from_utf8_lossy(&down.stderr)
+    );
+    let e = c.stats().unwrap_err();
+    assert_eq!(e.op(), "rados_cluster_stat");
+    assert!(e.object().contains(&mons), "{e}");
+    assert!(e.object().contains(&conf.display().to_string()), "{e}");
+    drop(c);
 }
 
 #[test]
@@ -135,6 +289,41 @@ fn omap_set_get_list_remove() {
     assert!(io.omap_list("book", "").unwrap().is_empty());
     let e = io.omap_list("nothing-here", "").unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotFound);
+}
+
+/// Omap keys that are not UTF-8: `\x80` ones (their lossy form sorts after
+/// them) and `\xff` ones (it sorts before them).
+fn raw_keys(prefix: u8, n80: usize, nff: usize) -> Vec<Vec<u8>> {
+    let mut keys = Vec::new();
+    for i in 0..n80 {
+        keys.push([&[prefix, 0x80][..], format!("{i:05}").as_bytes()].concat());
+    }
+    for i in 0..nff {
+        keys.push([&[prefix, 0xff][..], format!("{i:05}").as_bytes()].concat());
+    }
+    keys
+}
+
+#[test]
+fn omap_lists_non_utf8_keys_exactly_once_across_pages() {
+    let io = cluster().ioctx_ns(POOL, &unique("rawomap")).unwrap();
+    let keys = raw_keys(b'k', 600, 10);
+    let pairs: Vec<(&[u8], &[u8])> = keys.iter().map(|k| (k.as_slice(), &k[2..])).collect();
+    io.omap_set_bytes("raw", &pairs).unwrap();
+    io.omap_set("raw", &[("plain", b"p".as_slice())]).unwrap();
+    let all = io.omap_list_bytes("raw", b"").unwrap();
+    assert_eq!(all.len(), keys.len() + 1);
+    for k in &keys {
+        assert_eq!(all[k], k[2..], "{k:?}");
+    }
+    let only = io.omap_list_bytes("raw", b"k\x80").unwrap();
+    assert_eq!(only.len(), 600);
+    // The text listing ends too, with the lossy forms of the same keys.
+    let lossy: std::collections::BTreeSet<String> = keys
+        .iter()
+        .map(|k| String::from_utf8_lossy(k).into_owned())
+        .collect();
+    assert_eq!(io.omap_list("raw", "").unwrap().len(), lossy.len() + 1);
 }
 
 #[test]

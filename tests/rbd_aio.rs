@@ -503,3 +503,30 @@ fn one_shared_buffer_feeds_many_writes_and_outlives_its_owner() {
         "the refused writes left the tail alone"
     );
 }
+
+#[test]
+fn aio_writes_check_their_range_without_asking_librbd_each_time() {
+    let ns = TestNs::new("aio-size");
+    rbd::create(&ns.ioctx, "img", 4 << 20, &ImageOptions::new()).unwrap();
+    let img = Image::open(&ns.ioctx, "img").unwrap();
+    let before = img.io_size_lookups();
+    let writes: Vec<_> = (0..64u64)
+        .map(|i| img.aio_write(i * 4096, pattern(i, 4096)))
+        .collect();
+    for r in block_on(join_all(writes)) {
+        r.unwrap();
+    }
+    assert_eq!(img.io_size_lookups(), before, "no rbd_get_size per write");
+
+    // Another client grows it: a write past the old end looks once.
+    let other = support::ceph::TestCluster::get().connect();
+    let io = other.ioctx_ns(support::ceph::POOL, &ns.name).unwrap();
+    Image::open(&io, "img").unwrap().resize(8 << 20).unwrap();
+    block_on(img.aio_write(6 << 20, vec![1u8; 4096])).unwrap();
+    assert_eq!(img.io_size_lookups(), before + 1);
+    block_on(img.aio_write(6 << 20, vec![2u8; 4096])).unwrap();
+    assert_eq!(img.io_size_lookups(), before + 1, "cached again");
+    // Past the real end: still refused.
+    let e = block_on(img.aio_write((8 << 20) - 100, vec![3u8; 4096])).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+}

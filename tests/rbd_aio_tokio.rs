@@ -142,3 +142,23 @@ async fn tokio_tasks_share_one_image_handle() {
         assert!(back == pattern(t * 100 + 3, BLOCK));
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn image_io_uses_the_cached_size() {
+    let ns = TestNs::new("aio-tokio-size");
+    rbd::create(&ns.ioctx, "img", 4 * MIB, &ImageOptions::new()).unwrap();
+    let img = Arc::new(Image::open_async(&ns.ioctx, "img").await.unwrap());
+    let mut io = ImageIo::new(Arc::clone(&img));
+    let data = pattern(3, 2 * MIB as usize);
+    for chunk in data.chunks(16 * 1024) {
+        io.write_all(chunk).await.unwrap();
+    }
+    io.flush().await.unwrap();
+    io.seek(SeekFrom::Start(0)).await.unwrap();
+    let mut back = vec![0u8; data.len()];
+    io.read_exact(&mut back).await.unwrap();
+    assert!(back == data);
+    // 128 writes and the reads: the size was looked up once (async open
+    // leaves it unknown), not per call.
+    assert_eq!(img.io_size_lookups(), 1);
+}

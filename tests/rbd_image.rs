@@ -464,3 +464,72 @@ fn timestamps_op_features_overlap_and_object_map_rebuild() {
     assert_eq!(p.overlap().unwrap(), 0);
     assert!(ImageOptions::new().clone_format(3).is_err());
 }
+
+#[test]
+fn metadata_lists_non_utf8_keys_exactly_once_across_pages() {
+    let ns = TestNs::new("rawmeta");
+    rbd::create(&ns.ioctx, "img", MIB, &ImageOptions::new()).unwrap();
+    let img = Image::open(&ns.ioctx, "img").unwrap();
+    // Past one 256-key page: `\x80` keys (their lossy form sorts after them)
+    // and `\xff` keys (it sorts before them).
+    let mut keys = Vec::new();
+    for i in 0..300 {
+        keys.push([&b"m\x80"[..], format!("{i:05}").as_bytes()].concat());
+    }
+    for i in 0..5 {
+        keys.push([&b"m\xff"[..], format!("{i:05}").as_bytes()].concat());
+    }
+    for k in &keys {
+        img.metadata_set_bytes(k, &k[2..]).unwrap();
+    }
+    let all = img.metadata_list_bytes().unwrap();
+    assert_eq!(all.len(), keys.len());
+    for k in &keys {
+        assert_eq!(all[k], k[2..], "{k:?}");
+    }
+    let lossy: BTreeSet<String> = keys
+        .iter()
+        .map(|k| String::from_utf8_lossy(k).into_owned())
+        .collect();
+    assert_eq!(img.metadata_list().unwrap().len(), lossy.len());
+}
+
+#[test]
+fn dropping_an_update_watch_with_a_stuck_callback_is_bounded() {
+    use std::sync::mpsc;
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+
+    let ns = TestNs::new("stuckwatch");
+    rbd::create(&ns.ioctx, "s", 4 * MIB, &ImageOptions::new()).unwrap();
+    let watched = Image::open(&ns.ioctx, "s").unwrap();
+    let (started_tx, started_rx) = mpsc::channel::<()>();
+    let (release_tx, release_rx) = mpsc::channel::<()>();
+    let started_tx = Mutex::new(started_tx);
+    let release_rx = Arc::new(Mutex::new(release_rx));
+    let rel = Arc::clone(&release_rx);
+    let mut watch = watched
+        .update_watch(move || {
+            let _ = started_tx.lock().unwrap().send(());
+            // Stuck until the test lets go (or 60 s).
+            let _ = rel.lock().unwrap().recv_timeout(Duration::from_secs(60));
+        })
+        .unwrap();
+    let other = support::ceph::TestCluster::get().connect();
+    let changer = Image::open(&other.ioctx_ns(POOL, &ns.name).unwrap(), "s").unwrap();
+    changer.resize(8 * MIB).unwrap();
+    started_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the callback runs");
+    watch.set_unwatch_timeout(Duration::from_secs(1));
+    let t = Instant::now();
+    drop(watch);
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "drop waited {:?} for a stuck callback",
+        t.elapsed()
+    );
+    // Once the callback returns, the image closes normally.
+    release_tx.send(()).unwrap();
+    watched.close().unwrap();
+}

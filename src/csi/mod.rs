@@ -80,6 +80,10 @@ pub struct CsiArgs {
     #[arg(long)]
     pub default_mapper: Option<String>,
 
+    /// The filesystem of mount volumes whose capability names none.
+    #[arg(long, default_value = "ext4", value_parser = ["ext4", "xfs"])]
+    pub default_fstype: String,
+
     /// The sysfs root krbd works under (a fake tree in tests).
     #[arg(long, default_value = "/sys", hide = true)]
     pub sysfs_root: PathBuf,
@@ -236,12 +240,10 @@ pub async fn run_until(
                 m.find("").map(|_| ()).map_err(|e| e.to_string())
             }));
         }
-        Some(node::NodeService::new(
-            Arc::clone(&driver),
-            list,
-            default,
-            args.state_dir.clone(),
-        ))
+        Some(
+            node::NodeService::new(Arc::clone(&driver), list, default, args.state_dir.clone())
+                .default_fs(args.default_fstype.clone()),
+        )
     } else {
         None
     };

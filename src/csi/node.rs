@@ -58,6 +58,9 @@ pub struct Stash {
     pub read_only: bool,
     /// The mapper's unmap options.
     pub unmap_options: Vec<String>,
+    /// Target paths it is published at.
+    #[serde(default)]
+    pub published: Vec<PathBuf>,
 }
 
 impl Stash {
@@ -107,6 +110,7 @@ pub struct NodeService {
     mappers: Vec<Arc<dyn Mapper>>,
     default_mapper: String,
     state_dir: PathBuf,
+    default_fs: String,
 }
 
 impl NodeService {
@@ -124,7 +128,15 @@ impl NodeService {
             mappers,
             default_mapper,
             state_dir,
+            default_fs: "ext4".to_owned(),
         }
+    }
+
+    /// The filesystem for mount volumes whose capability names none
+    /// (default ext4).
+    pub fn default_fs(mut self, fs_type: impl Into<String>) -> NodeService {
+        self.default_fs = fs_type.into();
+        self
     }
 
     fn mapper(&self, name: &str) -> Result<Arc<dyn Mapper>, Status> {
@@ -162,6 +174,46 @@ impl NodeService {
         }
         write_atomic(&p, staging.as_os_str().as_encoded_bytes())
             .map_err(|e| Status::internal(format!("cannot write {}: {e}", p.display())))
+    }
+
+    fn own_watchers_path(&self, volume_id: &str) -> PathBuf {
+        self.index_path(volume_id).with_extension("watchers")
+    }
+
+    /// The watcher addresses this node's mappers had on the image, kept
+    /// across unstaging so a dead mapper's lingering watch is recognised.
+    fn own_watchers(&self, volume_id: &str) -> Vec<String> {
+        std::fs::read_to_string(self.own_watchers_path(volume_id))
+            .map(|t| t.lines().map(str::to_owned).collect())
+            .unwrap_or_default()
+    }
+
+    fn record_own_watchers(&self, volume_id: &str, watchers: &[String]) {
+        let p = self.own_watchers_path(volume_id);
+        if let Err(e) = write_atomic(&p, watchers.join("\n").as_bytes()) {
+            tracing::warn!(path = %p.display(), error = %e, "cannot record own watchers");
+        }
+    }
+
+    /// The addresses watching the image of `vol`.
+    async fn watchers(
+        &self,
+        vol: &crate::volume::VolumeId,
+        secrets: &HashMap<String, String>,
+    ) -> Result<Vec<String>, Status> {
+        let conn = self.driver.connect(&vol.cluster_id, secrets).await?;
+        let v = vol.clone();
+        self.driver
+            .ceph(&conn, move |c, _m| {
+                let io = c.ioctx_ns(&v.pool, &v.rados_namespace)?;
+                let img = Image::open_read_only(&io, &v.image)?;
+                Ok(img.watchers()?.into_iter().map(|w| w.addr).collect())
+            })
+            .await
+            .map_err(|e| match e {
+                VolumeError::Ceph(e) => status_of(&e),
+                other => Status::internal(other.to_string()),
+            })
     }
 
     fn forget(&self, volume_id: &str) {
@@ -207,18 +259,23 @@ fn is_read_only(cap: &VolumeCapability) -> bool {
     )
 }
 
-fn mount_of(cap: &VolumeCapability) -> (String, Vec<String>) {
+fn mount_of(cap: &VolumeCapability, default_fs: &str) -> (String, Vec<String>) {
     match &cap.access_type {
         Some(volume_capability::AccessType::Mount(m)) => (
             if m.fs_type.is_empty() {
-                "ext4".to_owned()
+                default_fs.to_owned()
             } else {
                 m.fs_type.clone()
             },
             m.mount_flags.clone(),
         ),
-        _ => ("ext4".to_owned(), Vec::new()),
+        _ => (default_fs.to_owned(), Vec::new()),
     }
+}
+
+fn is_single_writer(cap: &VolumeCapability) -> bool {
+    use volume_capability::access_mode::Mode;
+    cap.access_mode.as_ref().map(|m| m.mode) == Some(Mode::SingleNodeSingleWriter as i32)
 }
 
 /// Makes sure a regular file exists at `path` (a bind-mount target for a
@@ -251,8 +308,12 @@ fn mapper_options(
         "krbd" => options::MounterKind::Krbd,
         _ => options::MounterKind::Fuse,
     };
-    options::options_for(ctx.get(param).map(String::as_str).unwrap_or(""), kind, param)
-        .map_err(|e| status_of(&e))
+    options::options_for(
+        ctx.get(param).map(String::as_str).unwrap_or(""),
+        kind,
+        param,
+    )
+    .map_err(|e| status_of(&e))
 }
 
 fn io_status(what: &str, path: &Path, e: std::io::Error) -> Status {
@@ -328,25 +389,15 @@ impl Node for NodeService {
             }
         }
         if !read_only && already_mapped.is_none() {
-            let conn = self.driver.connect(&vol.cluster_id, &req.secrets).await?;
-            let v = vol.clone();
-            let watchers = self
-                .driver
-                .ceph(&conn, move |c, _m| {
-                    let io = c.ioctx_ns(&v.pool, &v.rados_namespace)?;
-                    let img = Image::open_read_only(&io, &v.image)?;
-                    Ok(img.watchers()?)
-                })
-                .await
-                .map_err(|e| match e {
-                    VolumeError::Ceph(e) => status_of(&e),
-                    other => Status::internal(other.to_string()),
-                })?;
-            if !watchers.is_empty() {
-                let who: Vec<String> = watchers.iter().map(|w| w.addr.clone()).collect();
+            let watchers = self.watchers(&vol, &req.secrets).await?;
+            // A mapper of this node that died leaves its watch behind until
+            // the OSD times it out; that one is ours, not another writer.
+            let own = self.own_watchers(&id);
+            let foreign: Vec<String> = watchers.into_iter().filter(|w| !own.contains(w)).collect();
+            if !foreign.is_empty() {
                 return Err(Status::failed_precondition(format!(
                     "image {vol} is already in use read-write by {} (another node has it staged); it can be staged read-write on one node only",
-                    who.join(", ")
+                    foreign.join(", ")
                 )));
             }
         }
@@ -355,9 +406,10 @@ impl Node for NodeService {
             volume_id: id.clone(),
             mapper: mapper_name.clone(),
             device: None,
-            fs_type: (!block).then(|| mount_of(&cap).0),
+            fs_type: (!block).then(|| mount_of(&cap, &self.default_fs).0),
             read_only,
             unmap_options: Vec::new(),
+            published: Vec::new(),
         };
         let (mapper, device) = match already_mapped {
             Some(found) => found,
@@ -405,13 +457,18 @@ impl Node for NodeService {
         stash.device = Some(device.clone());
         stash.write(&staging)?;
         self.remember(&id, &staging)?;
+        if !read_only {
+            // Every watcher now is this node's mapper (or a dead one of it).
+            let now = self.watchers(&vol, &req.secrets).await?;
+            self.record_own_watchers(&id, &now);
+        }
 
         if block {
             ensure_file(&target).map_err(|e| io_status("create", &target, e))?;
             let (d, t) = (device.clone(), target.clone());
             blocking(move || mount::ensure_bind(&d, &t, read_only)).await?;
         } else {
-            let (fs_type, flags) = mount_of(&cap);
+            let (fs_type, flags) = mount_of(&cap, &self.default_fs);
             let mkfs = ctx
                 .get(crate::volume::params::MKFS_OPTIONS)
                 .map(|s| fs::parse_mkfs_options(s))
@@ -501,6 +558,24 @@ impl Node for NodeService {
             )));
         }
         let read_only = req.readonly || is_read_only(&cap);
+        let mut stash = Stash::read(&staging)?;
+        if let Some(st) = &stash {
+            if is_single_writer(&cap) {
+                let mut others = Vec::new();
+                for t in st.published.iter().filter(|t| **t != target) {
+                    let t2 = t.clone();
+                    if blocking(move || mount::is_mount_point(&t2)).await? {
+                        others.push(t.display().to_string());
+                    }
+                }
+                if !others.is_empty() {
+                    return Err(Status::failed_precondition(format!(
+                        "volume {id} is single-writer and already published at {}",
+                        others.join(", ")
+                    )));
+                }
+            }
+        }
         if is_block(&cap) {
             ensure_file(&target).map_err(|e| io_status("create", &target, e))?;
         } else {
@@ -508,6 +583,12 @@ impl Node for NodeService {
         }
         let t = target.clone();
         blocking(move || mount::ensure_bind(&source, &t, read_only)).await?;
+        if let Some(st) = stash.as_mut() {
+            if !st.published.contains(&target) {
+                st.published.push(target.clone());
+                st.write(&staging)?;
+            }
+        }
         tracing::info!(volume = %id, target = %target.display(), read_only, "NodePublishVolume done");
         Ok(Response::new(NodePublishVolumeResponse {}))
     }
@@ -526,6 +607,14 @@ impl Node for NodeService {
             std::fs::remove_dir(&target).map_err(|e| io_status("remove", &target, e))?;
         } else if target.exists() {
             std::fs::remove_file(&target).map_err(|e| io_status("remove", &target, e))?;
+        }
+        if let Some(staging) = self.staging_of(&id, "") {
+            if let Ok(Some(mut st)) = Stash::read(&staging) {
+                if st.published.contains(&target) {
+                    st.published.retain(|t| *t != target);
+                    st.write(&staging)?;
+                }
+            }
         }
         tracing::info!(volume = %id, target = %target.display(), "NodeUnpublishVolume done");
         Ok(Response::new(NodeUnpublishVolumeResponse {}))
@@ -679,7 +768,9 @@ impl Node for NodeService {
         &self,
         _req: Request<NodeGetInfoRequest>,
     ) -> Result<Response<NodeGetInfoResponse>, Status> {
-        let topology = (!self.driver.topology.is_empty()).then(|| Topology {
+        // Always set: the plugin offers VOLUME_ACCESSIBILITY_CONSTRAINTS,
+        // and images are reachable from every node unless flags say more.
+        let topology = Some(Topology {
             segments: self
                 .driver
                 .topology

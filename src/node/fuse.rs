@@ -2,8 +2,11 @@
 //! kernel module, through a FUSE file and a loop device.
 //!
 //! Two halves talk over a unix socket:
-//! - the daemon, `rbdkit fuse-mapper` ([`crate::node::fuse_daemon`]), a
-//!   long-running process of its own that serves the image data;
+//! - the daemon, `rbdkit fuse-mapper`, a long-running process of its own
+//!   (its own container in the node pod): a supervisor
+//!   ([`crate::node::fuse_supervisor`]) that keeps the FUSE connection
+//!   alive, and a worker ([`crate::node::fuse_daemon`]) that serves the
+//!   image data and can be restarted under a mounted filesystem;
 //! - [`FuseMapper`], the [`Mapper`] the node plugin uses, which only sends
 //!   requests to the daemon. Restarting the CSI server does not touch a
 //!   mapped volume.

@@ -20,32 +20,64 @@
 //! `/sys/block/loopN/loop/dio` as `direct_io`.
 //!
 //! # State, crash and restart
-//! The attachments (volume, image, device, file; never the key) are kept
-//! in `<state-dir>/state.json`, written atomically (temp file, fsync,
-//! rename, fsync of the folder). An exclusive `flock` on
-//! `<state-dir>/lock` keeps a second daemon off the same state.
+//! Two processes (see [`crate::node::fuse_supervisor`]): a supervisor that
+//! only holds the `/dev/fuse` fds and the keys and restarts the worker, and
+//! the worker (this module) that mounts, serves I/O and answers the control
+//! socket. `--no-supervisor` runs the worker alone.
 //!
-//! What survives a `kill -9` of the daemon, exactly:
-//! - **The data**: everything an `fsync` (or `sync`, or unmount) returned
-//!   for was flushed by librbd before the reply, so it is in the image.
-//! - **Not the mapping**: the FUSE connection dies with the process that
-//!   holds `/dev/fuse`, so the loop device and a filesystem mounted on it
-//!   get `EIO`/`ENOTCONN` from then on. Dirty data still in that
-//!   filesystem's page cache is lost (it was never fsynced).
-//! - **Recovery**: a restarted daemon finds every loop device whose backing
-//!   file is under its mount folder (bound before the crash, recorded in
-//!   the state or not yet) and clears it with `LOOP_CLR_FD`. A device that
-//!   is still open or mounted is not torn down under its user: the kernel
-//!   only marks it to be cleared on its last close. Then the dead FUSE
-//!   mount is detached lazily and a fresh one is made. Volumes recorded in
-//!   the state are reported by `status` as unhealthy ("the daemon
-//!   restarted") until `attach` is called again, which maps them on a new
-//!   device; `detach` forgets them. This is safe even while the old device
-//!   is still mounted: it can never reach the image again.
+//! The attachments (volume, image, inode, file, device, librados client
+//! address; never the key) are kept in `<state-dir>/state.json`, written
+//! atomically (temp file, fsync, rename, fsync of the folder). An exclusive
+//! `flock` on `<state-dir>/lock` keeps a second worker off the same state
+//! (and proves a previous one is dead).
 //!
-//! Keys live only in the memory of this process (inside the librados
-//! connections, one per monitors + user); after a restart, `attach` brings
-//! them again.
+//! What survives, exactly (each point has a test in `tests/node_fuse.rs`):
+//! - **The data, always**: everything an `fsync` (or `sync`, or unmount)
+//!   returned for was flushed by librbd before the reply, so it is in the
+//!   image whatever dies afterwards (`fsynced_file_survives_kill9_of_the_daemon`).
+//! - **`kill -9` of the worker: the mapping and the mount above it.** The
+//!   supervisor still holds every channel fd, so the kernel's connection,
+//!   the FUSE files and the loop devices stay; I/O waits in the kernel. The
+//!   new worker takes the fds and keys back, re-opens each image under the
+//!   same inode (breaking the dead worker's exclusive lock, below), asks the
+//!   kernel to resend what the dead worker had read but not answered
+//!   (`FUSE_NOTIFY_RESEND`, when INIT reported `FUSE_HAS_RESEND`), and only
+//!   then reads requests. Writes and fsyncs running in a mounted ext4 across
+//!   the kill complete without error, on the same device
+//!   (`mounted_filesystem_survives_kill9_of_the_worker`). A resent write may
+//!   reach the image twice, with the same data at the same offset. The
+//!   control socket is down for the restart (about 100 ms): calls fail fast.
+//! - **`kill -9` of the supervisor (or of the whole container): not the
+//!   mapping.** The worker dies with it (`PR_SET_PDEATHSIG`), the FUSE
+//!   connection with them, so the loop device and a filesystem on it get
+//!   `EIO`/`ENOTCONN` from then on; dirty data still in that filesystem's
+//!   page cache (never fsynced) is lost. A restarted daemon finds every loop
+//!   device whose backing file is under its mount folder (recorded in the
+//!   state or not yet) and clears it with `LOOP_CLR_FD`. A device still
+//!   open or mounted is not torn down under its user: the kernel only marks
+//!   it to be cleared on its last close. Then the dead FUSE mount is
+//!   detached lazily and a fresh one made. Volumes of the state are reported
+//!   by `status` as unhealthy ("the daemon restarted") until `attach` maps
+//!   them again on a new device; `detach` forgets them. That is safe even
+//!   while the old device is still mounted: it can never reach the image
+//!   again (`restart_with_the_old_filesystem_still_mounted`).
+//! - **An attach killed after binding its device, before saving its
+//!   record** (so before it answered): the next worker clears that device
+//!   and never reuses its inode number
+//!   (`worker_restart_clears_a_device_whose_attach_did_not_finish`).
+//! - **The exclusive lock**: a dead worker still owns the image's exclusive
+//!   lock, and librbd would wait ~30 s for its watch to expire. The state
+//!   records each attachment's librados client address; on re-open the
+//!   worker breaks the lock if that exact client owns it (the flock proves
+//!   that process is dead; librbd blocklists it).
+//!
+//! - **A clean stop** (SIGTERM to the supervisor, forwarded to the worker)
+//!   flushes every image, clears the loop devices, unmounts and exits 0:
+//!   mappings end (`clean_stop_flushes_and_clears_everything`).
+//!
+//! Keys live only in memory: in the librados connections of the worker
+//! (one per monitors + user) and in the supervisor's store. After the
+//! supervisor is gone too, `attach` brings them again.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
@@ -63,6 +95,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, ErrorKind, Result};
 use crate::node::fuse::{AttachSpec, AttachmentStatus, ControlRequest, ControlResponse};
 use crate::node::fuse_kernel::{self as fk, op, InHeader, Reply};
+use crate::node::fuse_supervisor::StoreClient;
 use crate::node::loopdev;
 use crate::rados::{Cluster, ConnectOptions};
 use crate::rbd::Image;
@@ -85,6 +118,13 @@ pub struct FuseMapperArgs {
     /// Bound on connecting to a cluster and on each cluster operation.
     #[arg(long = "timeout", default_value = "30s", value_parser = humantime::parse_duration)]
     pub timeout: Duration,
+    /// Run the worker alone, without the supervisor that keeps the FUSE
+    /// connection alive across worker restarts.
+    #[arg(long = "no-supervisor")]
+    pub no_supervisor: bool,
+    /// Internal: run as the worker of a supervisor.
+    #[arg(long, hide = true)]
+    pub worker: bool,
 }
 
 const ROOT_INO: u64 = 1;
@@ -108,6 +148,9 @@ struct Record {
     file: String,
     device: Option<String>,
     size: u64,
+    /// The librados client address that opened the image (its lock owner).
+    #[serde(default)]
+    client_addr: Option<String>,
 }
 
 impl Record {
@@ -447,6 +490,8 @@ struct Daemon {
     ops: Mutex<()>,
     conns: Mutex<HashMap<(String, String), Cluster>>,
     timeout: Duration,
+    /// The supervisor that keeps fds and keys, if we run under one.
+    store: Option<StoreClient>,
 }
 
 fn io_err(e: std::io::Error, op: &'static str, object: &Path) -> Error {
@@ -613,6 +658,48 @@ impl Daemon {
         }
     }
 
+    /// Re-opens the image of a mapping the previous worker served (same
+    /// inode, file and device), after breaking that worker's lock.
+    fn reopen(&self, rec: &Record, key: &crate::rados::Secret) -> Result<Live> {
+        let spec = AttachSpec {
+            volume_id: rec.volume_id.clone(),
+            monitors: rec.monitors.clone(),
+            user: rec.user.clone(),
+            key: key.clone(),
+            pool: rec.pool.clone(),
+            namespace: rec.namespace.clone(),
+            image: rec.image.clone(),
+            snapshot: rec.snapshot.clone(),
+            read_only: rec.read_only,
+        };
+        let (conn_key, cluster) = self.connect(&spec)?;
+        let ioctx = cluster.ioctx_ns(&rec.pool, &rec.namespace)?;
+        let image = match (&rec.snapshot, rec.read_only) {
+            (Some(snap), _) => Image::open_snapshot(&ioctx, &rec.image, snap)?,
+            (None, true) => Image::open_read_only(&ioctx, &rec.image)?,
+            (None, false) => Image::open(&ioctx, &rec.image)?,
+        };
+        if !rec.read_only {
+            break_dead_lock(&image, rec);
+        }
+        let size = image.size()?;
+        let mut rec = rec.clone();
+        rec.size = size;
+        rec.client_addr = cluster.addrs().ok();
+        let node = Arc::new(Node {
+            ino: rec.ino,
+            name: rec.file.clone(),
+            image: Arc::new(image),
+            size: AtomicU64::new(size),
+            read_only: rec.read_only,
+        });
+        Ok(Live {
+            rec,
+            node,
+            conn_key,
+        })
+    }
+
     fn attach(&self, spec: AttachSpec) -> Result<ControlResponse> {
         let _ops = self.ops.lock().unwrap_or_else(|e| e.into_inner());
         let vol = spec.volume_id.clone();
@@ -665,6 +752,7 @@ impl Daemon {
         }
 
         let read_only = spec.read_only || spec.snapshot.is_some();
+        let before_restart = self.lock_table().stale.get(&vol).cloned();
         let (conn_key, cluster) = self.connect(&spec)?;
         let opened = (|| {
             let ioctx = cluster.ioctx_ns(&spec.pool, &spec.namespace)?;
@@ -673,9 +761,16 @@ impl Daemon {
                 (None, true) => Image::open_read_only(&ioctx, &spec.image)?,
                 (None, false) => Image::open(&ioctx, &spec.image)?,
             };
+            if let Some(old) = before_restart.as_ref().filter(|_| !read_only) {
+                break_dead_lock(&image, old);
+            }
             let size = image.size()?;
             Ok::<_, Error>((image, size))
         })();
+        let opened = opened.and_then(|v| match &self.store {
+            Some(store) => store.put_key(&vol, &spec.key).map(|()| v),
+            None => Ok(v),
+        });
         let (image, size) = match opened {
             Ok(v) => v,
             Err(e) => {
@@ -730,6 +825,7 @@ impl Daemon {
             file: name,
             device: Some(dev.display().to_string()),
             size,
+            client_addr: cluster.addrs().ok(),
         };
         tracing::info!(volume = %vol, image = %rec.image_spec(), device = %dev.display(), size, "attached");
         let mut t = self.lock_table();
@@ -819,12 +915,18 @@ impl Daemon {
                 close_node(l.node);
             }
             self.drop_conn_if_unused(&conn_key);
+            if let Some(store) = &self.store {
+                store.drop_key(vol)?;
+            }
             tracing::info!(volume = %vol, "detached");
         } else if let Some(rec) = stale {
             // Its device was cleared at start-up; forget it.
             let mut t = self.lock_table();
             t.stale.remove(vol);
             self.save(&t)?;
+            if let Some(store) = &self.store {
+                store.drop_key(vol)?;
+            }
             tracing::info!(volume = %vol, device = ?rec.device, "forgot a mapping from before the restart");
         }
         Ok(ControlResponse {
@@ -925,6 +1027,40 @@ impl Daemon {
     }
 }
 
+/// The nonce of a librados address (`ip:port/nonce`): unique per client
+/// instance.
+fn addr_nonce(addr: &str) -> Option<&str> {
+    let tail = addr.rsplit('/').next()?;
+    let end = tail
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(tail.len());
+    (end > 0).then(|| &tail[..end])
+}
+
+/// A killed daemon leaves its exclusive lock behind, and librbd would wait
+/// for that client's watch to time out (about 30 s) before taking it over.
+/// We hold the state dir's flock, so the process that opened the image
+/// before the restart is dead: break the lock if (and only if) that very
+/// client instance owns it. librbd blocklists it while breaking.
+fn break_dead_lock(image: &Image, old: &Record) {
+    let Some(dead) = old.client_addr.as_deref().and_then(addr_nonce) else {
+        return;
+    };
+    let Ok((mode, owners)) = image.lock_owners() else {
+        return;
+    };
+    for owner in owners {
+        if addr_nonce(&owner) == Some(dead) {
+            match image.lock_break(mode, &owner) {
+                Ok(()) => tracing::info!(volume = %old.volume_id, owner = %owner,
+                    "broke the exclusive lock of this daemon's previous, dead instance"),
+                Err(e) => tracing::warn!(volume = %old.volume_id, owner = %owner, error = %e,
+                    "cannot break the dead instance's lock; librbd will wait for it to expire"),
+            }
+        }
+    }
+}
+
 /// Waits until the kernel let go of `file` on `dev` (the unbind finishes
 /// when the device's last opener closes it).
 fn wait_unbound(dev: &Path, file: &Path) -> Result<()> {
@@ -969,6 +1105,35 @@ fn close_node(node: Arc<Node>) {
                 std::thread::sleep(Duration::from_millis(10));
             }
             Err(_) => return,
+        }
+    }
+}
+
+/// After a worker restart: a loop device on one of our files that no record
+/// names was bound by an attach killed before it saved its record (and so
+/// before it answered: nobody was given that device). Clear it, and never
+/// hand out its inode number again.
+fn clear_unrecorded_devices(mnt: &Path, table: &mut Table) {
+    for (dev, backing) in loopdev::list() {
+        let Ok(rel) = backing.strip_prefix(mnt) else {
+            continue;
+        };
+        let name = rel.to_string_lossy();
+        if table.live.values().any(|l| l.rec.file == name)
+            || table.stale.values().any(|r| r.file == name)
+        {
+            continue;
+        }
+        if let Some(ino) = name.split('.').next().and_then(|n| n.parse::<u64>().ok()) {
+            table.next_ino = table.next_ino.max(ino + 1);
+        }
+        match loopdev::detach(&dev) {
+            Ok(()) => {
+                tracing::info!(device = %dev.display(), file = %name, "cleared a loop device of an attach that did not finish")
+            }
+            Err(e) => {
+                tracing::warn!(device = %dev.display(), error = %e, "cannot clear a loop device of an unfinished attach")
+            }
         }
     }
 }
@@ -1033,7 +1198,17 @@ fn lock_state_dir(dir: &Path) -> Result<File> {
         .custom_flags(libc::O_CLOEXEC)
         .open(&path)
         .map_err(|e| io_err(e, "open", &path))?;
-    // SAFETY: flock(2) on a live fd; the lock goes with the fd.
+    // A killed predecessor may still be exiting: wait for it, bounded.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        // SAFETY: flock(2) on a live fd; the lock goes with the fd.
+        let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+        if r == 0 || Instant::now() > deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // SAFETY: as above.
     let r = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
     if r != 0 {
         return Err(
@@ -1137,8 +1312,17 @@ fn bind_socket(path: &Path) -> Result<UnixListener> {
     Ok(l)
 }
 
-/// Runs the daemon until it is killed or its filesystem is unmounted.
+/// Runs `rbdkit fuse-mapper`: the supervisor (which starts the worker),
+/// or the worker itself with `--worker` or `--no-supervisor`.
 pub fn run(args: FuseMapperArgs) -> Result<()> {
+    if !args.worker && !args.no_supervisor {
+        return crate::node::fuse_supervisor::supervise(args);
+    }
+    if args.worker {
+        // Die with the supervisor: without it nobody keeps our fds.
+        // SAFETY: prctl(2) PR_SET_PDEATHSIG with a signal number.
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+    }
     crate::k8s::telemetry::init(crate::k8s::telemetry::LogFormat::Text);
     let state_dir = args.state_dir.clone();
     std::fs::create_dir_all(&state_dir).map_err(|e| io_err(e, "mkdir", &state_dir))?;
@@ -1146,6 +1330,12 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
         .map_err(|e| io_err(e, "chmod", &state_dir))?;
     let _lock = lock_state_dir(&state_dir)?;
     let mnt = state_dir.join("mnt");
+    let store = args.worker.then(|| StoreClient::new(&state_dir));
+    // A supervisor that is gone makes this fail: then we must not run.
+    let kept = match &store {
+        Some(s) => Some(s.get()?),
+        None => None,
+    };
 
     let state_path = state_dir.join("state.json");
     let old: StateFile = match std::fs::read(&state_path) {
@@ -1159,8 +1349,6 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => StateFile::default(),
         Err(e) => return Err(io_err(e, "read", &state_path)),
     };
-    let cleared = recover(&mnt);
-    std::fs::create_dir_all(&mnt).map_err(|e| io_err(e, "mkdir", &mnt))?;
 
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(args.io_threads.max(1))
@@ -1173,41 +1361,100 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
         rt: rt.handle().clone(),
         alive: AtomicBool::new(true),
     });
-    let session = fk::mount(&mnt, "rbdkit-fuse")?;
-    tracing::info!(
-        mount = %mnt.display(),
-        kernel_minor = session.init.kernel_minor,
-        minor = session.init.minor,
-        max_write = session.init.max_write,
-        threads = args.threads,
-        "FUSE filesystem mounted"
-    );
-    let readers = fk::serve(&session, args.threads, Arc::clone(&fs))?;
-
     let mut table = Table {
         next_ino: old.next_ino.max(ROOT_INO + 1),
         ..Default::default()
     };
-    for rec in old.attachments {
-        table.stale.insert(rec.volume_id.clone(), rec);
-    }
+    let daemon_store = store.clone();
+    let (channels, init, resumed, keys) = match kept {
+        Some(crate::node::fuse_supervisor::Kept {
+            session: Some((init, fds)),
+            keys,
+        }) => {
+            // A previous worker died; its connection lives on in the supervisor.
+            let channels: Vec<Arc<fk::Channel>> = fds
+                .into_iter()
+                .map(|fd| Arc::new(fk::Channel::from_fd(fd)))
+                .collect();
+            (channels, init, true, keys)
+        }
+        other => {
+            let cleared = recover(&mnt);
+            std::fs::create_dir_all(&mnt).map_err(|e| io_err(e, "mkdir", &mnt))?;
+            let session = fk::mount(&mnt, "rbdkit-fuse")?;
+            let channels = fk::clone_channels(&session, args.threads)?;
+            if let Some(s) = &store {
+                let fds: Vec<_> = channels.iter().map(|c| c.as_fd()).collect();
+                s.put_session(session.init, &fds)?;
+            }
+            if !cleared.is_empty() || !old.attachments.is_empty() {
+                tracing::info!(
+                    cleared_devices = cleared.len(),
+                    stale = old.attachments.len(),
+                    "recovered from a previous run"
+                );
+            }
+            let keys = other.map(|k| k.keys).unwrap_or_default();
+            (channels, session.init, false, keys)
+        }
+    };
+    tracing::info!(
+        mount = %mnt.display(),
+        kernel_minor = init.kernel_minor,
+        minor = init.minor,
+        max_write = init.max_write,
+        resend = init.resend,
+        threads = channels.len(),
+        resumed,
+        "FUSE filesystem ready"
+    );
     let daemon = Arc::new(Daemon {
         state_dir: state_dir.clone(),
         mnt: mnt.clone(),
         fs: Arc::clone(&fs),
-        table: Mutex::new(table),
+        table: Mutex::new(Table::default()),
         ops: Mutex::new(()),
         conns: Mutex::new(HashMap::new()),
         timeout: args.timeout,
+        store: daemon_store,
     });
-    if !cleared.is_empty() || !daemon.lock_table().stale.is_empty() {
+    for rec in old.attachments {
+        let key = keys.get(&rec.volume_id);
+        match (resumed, key) {
+            (true, Some(key)) => match daemon.reopen(&rec, key) {
+                Ok(live) => {
+                    fs.nodes
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(live.node.ino, Arc::clone(&live.node));
+                    tracing::info!(volume = %rec.volume_id, device = ?rec.device, "took over a mapping of the previous worker");
+                    table.live.insert(rec.volume_id.clone(), live);
+                }
+                Err(e) => {
+                    tracing::error!(volume = %rec.volume_id, error = %e, "cannot re-open the image of a mapping");
+                    table.stale.insert(rec.volume_id.clone(), rec);
+                }
+            },
+            _ => {
+                table.stale.insert(rec.volume_id.clone(), rec);
+            }
+        }
+    }
+    if resumed {
+        clear_unrecorded_devices(&mnt, &mut table);
+    }
+    *daemon.lock_table() = table;
+    daemon.save(&daemon.lock_table())?;
+    // Requests the dead worker had read go back to the queue first, and only
+    // then, with every image open, do we read: a request read by us before
+    // the resend would be moved back and served twice.
+    if resumed && init.resend {
+        fk::notify_resend(&channels[0])?;
         tracing::info!(
-            cleared_devices = cleared.len(),
-            stale = daemon.lock_table().stale.len(),
-            "recovered from a previous run"
+            "asked the kernel to resend the requests the previous worker had not answered"
         );
     }
-    daemon.save(&daemon.lock_table())?;
+    let readers = fk::serve(&channels, Arc::clone(&fs))?;
 
     // The filesystem ends when someone unmounts it: mark every mapping dead.
     {
@@ -1220,8 +1467,8 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
             tracing::error!("the FUSE filesystem was unmounted; mappings are dead");
         });
     }
-    // SIGTERM/SIGINT: flush every image, then exit. Mappings end with the
-    // process either way; flushing keeps what librbd still caches.
+    // SIGTERM/SIGINT: a clean stop. Flush every image, unmount, and let the
+    // supervisor close the session; the mappings end.
     {
         let daemon = Arc::clone(&daemon);
         rt.spawn(async move {
@@ -1245,8 +1492,38 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
             for img in images {
                 let _ = img.aio_flush().await;
             }
-            // The connection dies with us; do not leave a dead mount behind.
+            // The devices cannot outlive us: clear them (a device still
+            // mounted is only marked, and goes on its last close).
+            let devices: Vec<String> = daemon
+                .lock_table()
+                .live
+                .values()
+                .filter_map(|l| l.rec.device.clone())
+                .collect();
+            for dev in devices {
+                let _ = loopdev::detach(Path::new(&dev));
+            }
             let _ = fk::unmount_lazy(&daemon.mnt);
+            // Close the images, so their exclusive locks and watches go now
+            // rather than when the cluster times them out. The state file
+            // keeps the records: they are reported dead after a restart.
+            let lives: Vec<Live> = std::mem::take(&mut daemon.lock_table().live)
+                .into_values()
+                .collect();
+            daemon
+                .fs
+                .nodes
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .clear();
+            tokio::task::block_in_place(|| {
+                for l in lives {
+                    close_node(l.node);
+                }
+            });
+            if let Some(s) = &daemon.store {
+                let _ = s.drop_session();
+            }
             tracing::info!("stopping on signal");
             std::process::exit(0);
         });

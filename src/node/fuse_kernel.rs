@@ -28,7 +28,7 @@ use crate::error::{Error, Result};
 /// The protocol version we speak (`FUSE_KERNEL_VERSION`).
 const KERNEL_VERSION: u32 = 7;
 /// The minor version we speak; the kernel uses the lower of its and ours.
-const KERNEL_MINOR_VERSION: u32 = 38;
+const KERNEL_MINOR_VERSION: u32 = 40;
 
 /// Largest WRITE payload we accept: 1 MiB.
 pub const MAX_WRITE: u32 = 1 << 20;
@@ -70,6 +70,11 @@ const FUSE_ASYNC_DIO: u32 = 1 << 15;
 const FUSE_PARALLEL_DIROPS: u32 = 1 << 18;
 const FUSE_MAX_PAGES: u32 = 1 << 22;
 const FUSE_INIT_EXT: u32 = 1 << 30;
+/// `FUSE_HAS_RESEND` (bit 39, so bit 7 of `flags2`): the kernel can resend
+/// the requests a dead server had read (`FUSE_NOTIFY_RESEND`, Linux 6.9+).
+const FUSE2_HAS_RESEND: u32 = 1 << 7;
+/// `FUSE_NOTIFY_RESEND` in `enum fuse_notify_code`.
+const FUSE_NOTIFY_RESEND: i32 = 7;
 
 /// `FOPEN_DIRECT_IO`: no page cache for this open file.
 pub const FOPEN_DIRECT_IO: u32 = 1 << 0;
@@ -215,6 +220,18 @@ pub struct Channel {
 }
 
 impl Channel {
+    /// A channel over a `/dev/fuse` fd of a mounted connection (one handed
+    /// over by another process).
+    pub fn from_fd(fd: OwnedFd) -> Channel {
+        Channel { fd }
+    }
+
+    /// The fd, to hand it to another process.
+    pub fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.fd.as_fd()
+    }
+
     /// Writes one message (`writev(2)` of a header and its payload).
     fn send(&self, parts: &[&[u8]]) -> std::io::Result<()> {
         let slices: Vec<IoSlice<'_>> = parts.iter().map(|p| IoSlice::new(p)).collect();
@@ -269,7 +286,7 @@ fn open_dev_fuse() -> Result<OwnedFd> {
 }
 
 /// What `FUSE_INIT` settled.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, serde::Serialize, serde::Deserialize)]
 pub struct InitInfo {
     /// The kernel's protocol minor version.
     pub kernel_minor: u32,
@@ -277,6 +294,9 @@ pub struct InitInfo {
     pub minor: u32,
     /// `max_write` in use.
     pub max_write: u32,
+    /// The kernel can resend in-flight requests (`FUSE_HAS_RESEND`).
+    #[serde(default)]
+    pub resend: bool,
 }
 
 /// A mounted FUSE filesystem: the first channel and what INIT settled.
@@ -390,6 +410,7 @@ fn answer_init(ch: &Arc<Channel>) -> Result<InitInfo> {
         max_write: MAX_WRITE,
         time_gran: 1,
         max_pages: MAX_PAGES,
+        flags2: init_in.flags2 & FUSE2_HAS_RESEND,
         ..Default::default()
     };
     reply.ok(pod_bytes(&out));
@@ -397,6 +418,7 @@ fn answer_init(ch: &Arc<Channel>) -> Result<InitInfo> {
         kernel_minor: init_in.minor,
         minor,
         max_write: MAX_WRITE,
+        resend: init_in.flags & FUSE_INIT_EXT != 0 && init_in.flags2 & FUSE2_HAS_RESEND != 0,
     })
 }
 
@@ -468,21 +490,25 @@ pub trait Handler: Send + Sync + 'static {
     fn request(&self, hdr: &InHeader, body: &[u8], reply: Option<Reply>);
 }
 
-/// Starts `threads` reader threads on the session (the first on the
-/// session's own fd, the others on clones). They return when the
-/// filesystem is unmounted (`ENODEV`).
-pub fn serve<H: Handler>(
-    session: &Session,
-    threads: usize,
-    handler: Arc<H>,
-) -> Result<Vec<std::thread::JoinHandle<()>>> {
+/// The session's channel plus `threads - 1` clones: one per reader thread.
+pub fn clone_channels(session: &Session, threads: usize) -> Result<Vec<Arc<Channel>>> {
     let mut channels = vec![Arc::clone(&session.channel)];
     for _ in 1..threads.max(1) {
         channels.push(Arc::new(session.channel.clone_channel()?));
     }
+    Ok(channels)
+}
+
+/// Starts one reader thread per channel. They return when the filesystem
+/// is unmounted or the connection aborted (`ENODEV`).
+pub fn serve<H: Handler>(
+    channels: &[Arc<Channel>],
+    handler: Arc<H>,
+) -> Result<Vec<std::thread::JoinHandle<()>>> {
     let mut handles = Vec::new();
-    for (i, ch) in channels.into_iter().enumerate() {
+    for (i, ch) in channels.iter().enumerate() {
         let h = Arc::clone(&handler);
+        let ch = Arc::clone(ch);
         let t = std::thread::Builder::new()
             .name(format!("fuse-{i}"))
             .spawn(move || reader(ch, h))
@@ -496,6 +522,23 @@ pub fn serve<H: Handler>(
         handles.push(t);
     }
     Ok(handles)
+}
+
+/// Asks the kernel to queue again every request a previous server had read
+/// and not answered (`FUSE_NOTIFY_RESEND`), so a restarted server gets them.
+pub fn notify_resend(ch: &Channel) -> Result<()> {
+    let hdr = OutHeader {
+        len: std::mem::size_of::<OutHeader>() as u32,
+        error: FUSE_NOTIFY_RESEND,
+        unique: 0,
+    };
+    ch.send(&[pod_bytes(&hdr)]).map_err(|e| {
+        Error::from_errno(
+            e.raw_os_error().unwrap_or(libc::EIO),
+            "write(FUSE_NOTIFY_RESEND)",
+            "/dev/fuse",
+        )
+    })
 }
 
 fn reader<H: Handler>(ch: Arc<Channel>, handler: Arc<H>) {

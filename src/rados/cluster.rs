@@ -19,10 +19,109 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default bound on monitor and OSD operations: Ceph's own default waits forever.
 pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Held around every `rados_conf_parse_env`, which shares one static buffer
+/// between all handles of the process.
+static PARSE_ENV_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The timeouts `connect` bounds, in the order of its defaults.
+const TIMEOUT_OPTIONS: [&str; 3] = [
+    "client_mount_timeout",
+    "rados_mon_op_timeout",
+    "rados_osd_op_timeout",
+];
+
 /// A cephx key. Its `Debug` output is redacted, and it is handed to librados
 /// only through `rados_conf_set("key")`: it is never logged or put in errors.
+/// Its bytes are overwritten with zeroes when it is dropped.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Secret(String);
+
+impl Drop for Secret {
+    fn drop(&mut self) {
+        // SAFETY: only zero bytes are written, which keeps the String valid
+        // UTF-8; the buffer is freed right after.
+        zeroize(unsafe { self.0.as_mut_vec() });
+    }
+}
+
+/// Overwrites a buffer with zeroes in a way the compiler may not drop as a
+/// dead store.
+pub(crate) fn zeroize(buf: &mut [u8]) {
+    for b in buf.iter_mut() {
+        // SAFETY: `b` is a valid, aligned, exclusive reference to one byte.
+        unsafe { std::ptr::write_volatile(b, 0) };
+    }
+    std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Checks that a cephx key is what librados can decode (base64 of a
+/// `CryptoKey`: type u16, created 8 bytes, length u16, secret), so that
+/// librados never sees a bad one: it logs the value of a key it cannot
+/// decode. The error never shows the value.
+fn check_key(key: &str) -> Result<()> {
+    let bad = |why: &str| {
+        Err(Error::invalid(
+            "rados_conf_set",
+            "key",
+            format!("the cephx key is not valid ({why}; value not shown)"),
+        ))
+    };
+    let Some(raw) = base64_decode(key.trim().as_bytes()) else {
+        return bad("not base64");
+    };
+    let mut raw = raw;
+    let ok = raw.len() >= 12 && {
+        let kind = u16::from_le_bytes([raw[0], raw[1]]);
+        let len = u16::from_le_bytes([raw[10], raw[11]]) as usize;
+        // 0 = none, 1 = AES, whose secret is at least 16 bytes.
+        raw.len() == 12 + len && (kind == 0 || (kind == 1 && len >= 16))
+    };
+    zeroize(&mut raw);
+    if ok {
+        Ok(())
+    } else {
+        bad("base64, but not an encoded cephx key")
+    }
+}
+
+/// Standard base64 with `=` padding (what `ceph auth print-key` prints).
+fn base64_decode(text: &[u8]) -> Option<Vec<u8>> {
+    fn value(c: u8) -> Option<u32> {
+        Some(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        } as u32)
+    }
+    if text.is_empty() || !text.len().is_multiple_of(4) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(text.len() / 4 * 3);
+    let groups = text.len() / 4;
+    for (i, g) in text.chunks(4).enumerate() {
+        let pad = g.iter().rev().take_while(|c| **c == b'=').count();
+        if pad > 2 || (pad > 0 && i + 1 != groups) {
+            return None;
+        }
+        let mut n = 0u32;
+        for c in &g[..4 - pad] {
+            n = (n << 6) | value(*c)?;
+        }
+        n <<= 6 * pad as u32;
+        let bytes = n.to_be_bytes();
+        out.extend_from_slice(&bytes[1..4 - pad]);
+    }
+    Some(out)
+}
+
+/// True for config option names that hold a cephx key (`key`, spelled
+/// with spaces, dashes or underscores and any case).
+fn is_key_option(option: &str) -> bool {
+    option.trim().eq_ignore_ascii_case("key")
+}
 
 impl Secret {
     /// Wraps a base64 cephx key.
@@ -85,7 +184,7 @@ enum ConfSource {
 ///     .connect()?;
 /// # Ok::<(), rbdkit::Error>(())
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ConnectOptions {
     source: ConfSource,
     user: String,
@@ -96,6 +195,30 @@ pub struct ConnectOptions {
     connect_timeout: Option<Duration>,
     mon_op_timeout: Option<Duration>,
     osd_op_timeout: Option<Duration>,
+}
+
+impl fmt::Debug for ConnectOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let overrides: Vec<(&str, &str)> = self
+            .overrides
+            .iter()
+            .map(|(k, v)| {
+                let shown = if is_key_option(k) { "<redacted>" } else { v };
+                (k.as_str(), shown)
+            })
+            .collect();
+        f.debug_struct("ConnectOptions")
+            .field("source", &self.source)
+            .field("user", &self.user)
+            .field("mon_host", &self.mon_host)
+            .field("key", &self.key)
+            .field("keyring", &self.keyring)
+            .field("overrides", &overrides)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("mon_op_timeout", &self.mon_op_timeout)
+            .field("osd_op_timeout", &self.osd_op_timeout)
+            .finish()
+    }
 }
 
 impl Default for ConnectOptions {
@@ -201,11 +324,32 @@ impl ConnectOptions {
         &self.user
     }
 
+    /// Names the cluster for errors: its monitors (as configured), the conf
+    /// file they came from, and the user.
+    fn label(&self, handle: &ClusterHandle) -> String {
+        let mons = handle
+            .conf_get("mon_host")
+            .ok()
+            .filter(|m| !m.trim().is_empty())
+            .or_else(|| self.mon_host.clone())
+            .unwrap_or_else(|| "no monitors configured".into());
+        let conf = match &self.source {
+            ConfSource::File(p) => format!(", conf {}", p.display()),
+            ConfSource::Default => match std::env::var("CEPH_CONF") {
+                Ok(p) => format!(", conf {p}"),
+                Err(_) => ", default ceph.conf".into(),
+            },
+            ConfSource::None => String::new(),
+        };
+        format!("cluster mon_host={mons}{conf} as client.{}", self.user)
+    }
+
     /// Creates the handle, applies the configuration and connects.
     ///
     /// Wraps `rados_create2`, `rados_conf_read_file`, `rados_conf_set` and
     /// `rados_connect`. Timeouts: an explicit option wins; otherwise a non-zero
-    /// value from the conf file is kept; otherwise the defaults
+    /// value that the conf file, `CEPH_ARGS` or [`ConnectOptions::set`]
+    /// changed from Ceph's built-in one is kept; otherwise the defaults
     /// ([`DEFAULT_CONNECT_TIMEOUT`], [`DEFAULT_OP_TIMEOUT`]) apply, so no call
     /// can wait forever.
     pub fn connect(&self) -> Result<Cluster> {
@@ -220,7 +364,13 @@ impl ConnectOptions {
         // From here on the handle is owned; dropping `handle` shuts it down
         // even when a later step fails (rados_shutdown accepts an unconnected
         // handle).
-        let handle = ClusterHandle { raw };
+        let mut handle = ClusterHandle {
+            raw,
+            label: String::new(),
+        };
+        // Ceph's built-in timeouts, read before any file: a value equal to
+        // these after the file was read was not set by it.
+        let builtin = TIMEOUT_OPTIONS.map(|opt| handle.conf_get(opt).ok());
 
         match &self.source {
             ConfSource::Default => {
@@ -241,10 +391,15 @@ impl ConnectOptions {
             }
             ConfSource::None => {}
         }
-        // SAFETY: NULL means "read CEPH_ARGS"; `raw` is live and unconnected.
-        // The header notes this call is not thread-safe (static buffer): it is
-        // only ever made here, on a handle no other thread can see yet.
-        let ret = unsafe { sys::rados_conf_parse_env(raw, ptr::null()) };
+        let ret = {
+            // librados.h: rados_conf_parse_env "uses a static buffer" and is
+            // not thread-safe, process-wide: serialise every call.
+            let _env = PARSE_ENV_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+            // SAFETY: NULL means "read CEPH_ARGS"; `raw` is live and
+            // unconnected; the lock above makes this the only
+            // rados_conf_parse_env call running in the process.
+            unsafe { sys::rados_conf_parse_env(raw, ptr::null()) }
+        };
         cvt(ret, "rados_conf_parse_env", || "CEPH_ARGS".into())?;
 
         if let Some(m) = &self.mon_host {
@@ -254,31 +409,35 @@ impl ConnectOptions {
             handle.conf_set("keyring", &k.display().to_string())?;
         }
         if let Some(key) = &self.key {
+            check_key(key.expose())?;
             handle.conf_set("key", key.expose())?;
         }
         for (k, v) in &self.overrides {
+            if is_key_option(k) {
+                check_key(v)?;
+            }
             handle.conf_set(k, v)?;
         }
-        for (opt, explicit, default) in [
-            (
-                "client_mount_timeout",
-                self.connect_timeout,
-                DEFAULT_CONNECT_TIMEOUT,
-            ),
-            (
-                "rados_mon_op_timeout",
-                self.mon_op_timeout,
-                DEFAULT_OP_TIMEOUT,
-            ),
-            (
-                "rados_osd_op_timeout",
-                self.osd_op_timeout,
-                DEFAULT_OP_TIMEOUT,
-            ),
-        ] {
+        let explicit = [
+            (self.connect_timeout, DEFAULT_CONNECT_TIMEOUT),
+            (self.mon_op_timeout, DEFAULT_OP_TIMEOUT),
+            (self.osd_op_timeout, DEFAULT_OP_TIMEOUT),
+        ];
+        for ((opt, (explicit, default)), builtin) in
+            TIMEOUT_OPTIONS.into_iter().zip(explicit).zip(builtin)
+        {
+            let configured = handle.conf_get(opt).ok();
+            // Kept only when the file, CEPH_ARGS or an override changed it
+            // from Ceph's built-in value (300 s, or 0 = forever) to a
+            // non-zero one.
+            let set_by_config = configured != builtin
+                && configured
+                    .as_deref()
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+                    .is_some_and(|s| s > 0.0);
             let value = match explicit {
                 Some(t) => Some(t),
-                None if handle.conf_get_secs(opt).is_some_and(|s| s > 0.0) => None,
+                None if set_by_config => None,
                 None => Some(default),
             };
             if let Some(t) = value {
@@ -286,13 +445,10 @@ impl ConnectOptions {
             }
         }
 
+        handle.label = self.label(&handle);
         // SAFETY: `raw` is a configured, not yet connected handle.
         let ret = unsafe { sys::rados_connect(raw) };
-        cvt(ret, "rados_connect", || {
-            self.mon_host
-                .clone()
-                .unwrap_or_else(|| format!("cluster as {target}"))
-        })?;
+        cvt(ret, "rados_connect", || handle.label.clone())?;
         Ok(Cluster {
             inner: Arc::new(handle),
         })
@@ -303,12 +459,15 @@ impl ConnectOptions {
 /// [`IoCtx`] or image that holds it is dropped.
 pub(crate) struct ClusterHandle {
     raw: sys::rados_t,
+    /// Which cluster, for errors: monitors, conf file and user.
+    label: String,
 }
 
 // SAFETY: librados' cluster handle (`librados::RadosClient`) guards its state
-// with its own locks and is documented for use from many threads; the only
-// non-thread-safe call, rados_conf_parse_env (header: "BUG: this is not
-// threadsafe"), is made in `connect` before the handle is shared.
+// with its own locks and is documented for use from many threads. The one
+// call that is not thread-safe, rados_conf_parse_env (header: it "uses a
+// static buffer"), is unsafe process-wide, not per handle: `connect` makes
+// it only under PARSE_ENV_LOCK.
 unsafe impl Send for ClusterHandle {}
 // SAFETY: as above; every method here takes `&self` and maps to a librados
 // call that is safe to make concurrently on one connected handle.
@@ -347,10 +506,6 @@ impl ClusterHandle {
             (i64::from(ret), 0)
         })?;
         Ok(crate::util::string_from_buf(&buf))
-    }
-
-    fn conf_get_secs(&self, option: &str) -> Option<f64> {
-        self.conf_get(option).ok()?.trim().parse().ok()
     }
 }
 
@@ -412,8 +567,16 @@ impl Cluster {
     }
 
     /// The value of a librados config option on this connection, such as
-    /// `mon_host`. Wraps `rados_conf_get`.
+    /// `mon_host`. Wraps `rados_conf_get`. The cephx `key` is refused: it is
+    /// never handed out.
     pub fn config_get(&self, option: &str) -> Result<String> {
+        if is_key_option(option) {
+            return Err(Error::invalid(
+                "rados_conf_get",
+                option,
+                "the cephx key is not readable through config_get",
+            ));
+        }
         self.inner.conf_get(option)
     }
 
@@ -424,7 +587,7 @@ impl Cluster {
         // NUL-terminated fsid (37 bytes) or fails with -ERANGE.
         let ret =
             unsafe { sys::rados_cluster_fsid(self.raw(), buf.as_mut_ptr().cast(), buf.len()) };
-        cvt(ret, "rados_cluster_fsid", String::new)?;
+        cvt(ret, "rados_cluster_fsid", || self.inner.label.clone())?;
         Ok(crate::util::string_from_buf(&buf))
     }
 
@@ -435,10 +598,31 @@ impl Cluster {
         unsafe { sys::rados_get_instance_id(self.raw()) }
     }
 
+    /// This client's addresses as the cluster sees them (the address a
+    /// lock owner or watcher is listed by). Wraps `rados_getaddrs`.
+    pub fn addrs(&self) -> Result<String> {
+        let mut out: *mut c_char = ptr::null_mut();
+        // SAFETY: the handle is connected; `out` is a valid out-pointer that
+        // librados sets to a buffer we free with rados_buffer_free (header).
+        let ret = unsafe { sys::rados_getaddrs(self.raw(), &mut out) };
+        cvt(ret, "rados_getaddrs", String::new)?;
+        if out.is_null() {
+            return Ok(String::new());
+        }
+        // SAFETY: on success `out` is a NUL-terminated string from librados.
+        let s = unsafe { std::ffi::CStr::from_ptr(out) }
+            .to_string_lossy()
+            .into_owned();
+        // SAFETY: `out` came from librados and is freed once, here.
+        unsafe { sys::rados_buffer_free(out) };
+        Ok(s)
+    }
+
     /// Names of all pools. Wraps `rados_pool_list`.
     pub fn pool_list(&self) -> Result<Vec<String>> {
         let mut needed = 0usize;
-        let buf = with_growing_buffer(1024, "rados_pool_list", &String::new, |buf| {
+        let label = || self.inner.label.clone();
+        let buf = with_growing_buffer(1024, "rados_pool_list", &label, |buf| {
             // SAFETY: `buf` is writable for `buf.len()` bytes. librados returns
             // the length it needs; if that is larger than the buffer, the
             // list is cut, so we treat it as ERANGE and retry.
@@ -512,7 +696,7 @@ impl Cluster {
         let mut st = sys::rados_cluster_stat_t::default();
         // SAFETY: `st` is a valid out-struct of the header's type.
         let ret = unsafe { sys::rados_cluster_stat(self.raw(), &mut st) };
-        cvt(ret, "rados_cluster_stat", String::new)?;
+        cvt(ret, "rados_cluster_stat", || self.inner.label.clone())?;
         Ok(ClusterStats {
             kb: st.kb,
             kb_used: st.kb_used,
@@ -629,6 +813,78 @@ mod tests {
         assert_eq!(format!("{s:?}"), "Secret(<redacted>)");
         let o = ConnectOptions::new().key(s);
         assert!(!format!("{o:?}").contains("AQBsecret"));
+    }
+
+    #[test]
+    fn overrides_that_hold_a_key_are_redacted() {
+        let o = ConnectOptions::new()
+            .set("key", "AQBsecretsecret==")
+            .set("KEY ", "AQBother==")
+            .set("mon_host", "10.0.0.1");
+        let shown = format!("{o:?}");
+        assert!(!shown.contains("AQB"), "{shown}");
+        assert!(shown.contains("10.0.0.1"), "{shown}");
+    }
+
+    #[test]
+    fn keys_are_checked_without_echoing_them() {
+        // The shape `ceph auth get-key` prints (AES, 16-byte secret).
+        check_key("AQBb1mZnAAAAABAAeXf4S2m5bNXE4U4z0u7K6Q==").unwrap();
+        for bad in [
+            "",
+            "not-a-key!!",
+            "AQBb1mZnAAAAABAAeXf4S2m5bNXE4U4z0u7K6Q=",
+            "AQBb1mZnAAAAABAAeXf4S2m5bNXE4U4z0u7K6Q==AAAA",
+            "aGVsbG8gd29ybGQ=",
+            "AQ==",
+        ] {
+            let e = check_key(bad).unwrap_err();
+            assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument);
+            if !bad.is_empty() {
+                assert!(!e.to_string().contains(bad), "{e}");
+            }
+        }
+    }
+
+    #[test]
+    fn base64_round_trips() {
+        assert_eq!(base64_decode(b"aGVsbG8=").unwrap(), b"hello");
+        assert_eq!(base64_decode(b"aGVsbG8h").unwrap(), b"hello!");
+        assert_eq!(base64_decode(b"aGVsbA==").unwrap(), b"hell");
+        assert!(base64_decode(b"aGVs=G8=").is_none());
+        assert!(base64_decode(b"aGVsbG8").is_none());
+    }
+
+    #[test]
+    fn zeroize_clears_the_buffer() {
+        let mut b = *b"AQBsecret";
+        zeroize(&mut b);
+        assert_eq!(b, [0u8; 9]);
+    }
+
+    #[test]
+    fn conf_parse_env_is_serialised_process_wide() {
+        let held = PARSE_ENV_LOCK.lock().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            // Fails fast (bad key) right after rados_conf_parse_env.
+            let r = ConnectOptions::new()
+                .mon_host("127.0.0.1:1")
+                .key(Secret::new("not a key"))
+                .connect();
+            let _ = tx.send(r.map(|_| ()));
+        });
+        std::thread::sleep(Duration::from_millis(500));
+        assert!(
+            rx.try_recv().is_err(),
+            "connect got past rados_conf_parse_env while another caller held it"
+        );
+        drop(held);
+        let e = rx
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::InvalidArgument, "{e}");
     }
 
     #[test]

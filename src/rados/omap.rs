@@ -2,6 +2,7 @@
 //! bookkeeping that must survive a crash.
 
 use std::collections::BTreeMap;
+use std::ffi::CString;
 use std::os::raw::c_char;
 use std::ptr;
 
@@ -53,13 +54,13 @@ impl Drop for ReadOp {
 struct OmapIter(sys::rados_omap_iter_t);
 
 impl OmapIter {
-    /// Copies out every pair the iterator holds.
+    /// Copies out every pair the iterator holds; returns the last key, raw.
     fn drain(
         &self,
-        into: &mut BTreeMap<String, Vec<u8>>,
+        into: &mut BTreeMap<Vec<u8>, Vec<u8>>,
         op: &'static str,
         object: &str,
-    ) -> Result<Option<String>> {
+    ) -> Result<Option<Vec<u8>>> {
         let mut last = None;
         loop {
             let mut key: *mut c_char = ptr::null_mut();
@@ -84,7 +85,7 @@ impl OmapIter {
                 } else {
                     std::slice::from_raw_parts(val as *const u8, val_len)
                 };
-                (String::from_utf8_lossy(k).into_owned(), v.to_vec())
+                (k.to_vec(), v.to_vec())
             };
             last = Some(k.clone());
             into.insert(k, v);
@@ -109,8 +110,22 @@ impl IoCtx {
         K: AsRef<str>,
         V: AsRef<[u8]>,
     {
+        let raw: Vec<(&[u8], &[u8])> = pairs
+            .iter()
+            .map(|(k, v)| (k.as_ref().as_bytes(), v.as_ref()))
+            .collect();
+        self.omap_set_bytes(oid, &raw)
+    }
+
+    /// [`IoCtx::omap_set`] with keys as raw bytes (omap keys need not be
+    /// UTF-8). Wraps `rados_write_op_omap_set2`.
+    pub fn omap_set_bytes<K, V>(&self, oid: &str, pairs: &[(K, V)]) -> Result<()>
+    where
+        K: AsRef<[u8]>,
+        V: AsRef<[u8]>,
+    {
         let o = cstr(oid, "rados_write_op_omap_set2", "object name")?;
-        let keys: Vec<&[u8]> = pairs.iter().map(|(k, _)| k.as_ref().as_bytes()).collect();
+        let keys: Vec<&[u8]> = pairs.iter().map(|(k, _)| k.as_ref()).collect();
         let key_ptrs: Vec<*const c_char> = keys.iter().map(|k| k.as_ptr().cast()).collect();
         let key_lens: Vec<usize> = keys.iter().map(|k| k.len()).collect();
         let val_ptrs: Vec<*const c_char> = pairs
@@ -218,20 +233,43 @@ impl IoCtx {
         })?;
         let mut out = BTreeMap::new();
         iter.drain(&mut out, "rados_omap_get_next2", &object)?;
-        Ok(out)
+        Ok(lossy_keys(out))
     }
 
     /// Lists every omap pair of an object whose key starts with `prefix`
     /// (all pairs for `""`), paging through as many rounds as needed. Wraps
     /// `rados_read_op_omap_get_vals2`.
+    ///
+    /// Keys that are not UTF-8 (written by other clients) are shown with
+    /// U+FFFD in place of bad bytes; use [`IoCtx::omap_list_bytes`] to get
+    /// them exactly.
     pub fn omap_list(&self, oid: &str, prefix: &str) -> Result<BTreeMap<String, Vec<u8>>> {
+        Ok(lossy_keys(self.omap_list_bytes(oid, prefix.as_bytes())?))
+    }
+
+    /// [`IoCtx::omap_list`] with keys as raw bytes: each page starts after
+    /// the exact last key of the one before, so every key is listed once,
+    /// UTF-8 or not. Wraps `rados_read_op_omap_get_vals2`.
+    pub fn omap_list_bytes(&self, oid: &str, prefix: &[u8]) -> Result<BTreeMap<Vec<u8>, Vec<u8>>> {
         let o = cstr(oid, "rados_read_op_omap_get_vals2", "object name")?;
-        let pfx = cstr(prefix, "rados_read_op_omap_get_vals2", "key prefix")?;
         let object = self.object_spec(oid);
+        let pfx = CString::new(prefix).map_err(|_| {
+            Error::invalid(
+                "rados_read_op_omap_get_vals2",
+                object.clone(),
+                "key prefix contains a NUL byte",
+            )
+        })?;
         let mut out = BTreeMap::new();
-        let mut start_after = String::new();
+        let mut start_after = Vec::new();
         loop {
-            let start = cstr(&start_after, "rados_read_op_omap_get_vals2", "omap key")?;
+            let start = CString::new(start_after).map_err(|_| {
+                Error::invalid(
+                    "rados_read_op_omap_get_vals2",
+                    object.clone(),
+                    "an omap key contains a NUL byte, so listing cannot continue after it",
+                )
+            })?;
             let op = ReadOp::new();
             let mut iter = OmapIter(ptr::null_mut());
             let mut more: u8 = 0;
@@ -259,6 +297,13 @@ impl IoCtx {
             }
         }
     }
+}
+
+/// Keys as text, bad UTF-8 replaced (distinct raw keys may then collide).
+fn lossy_keys(raw: BTreeMap<Vec<u8>, Vec<u8>>) -> BTreeMap<String, Vec<u8>> {
+    raw.into_iter()
+        .map(|(k, v)| (String::from_utf8_lossy(&k).into_owned(), v))
+        .collect()
 }
 
 /// Checks that an omap value is UTF-8, for callers that store text.

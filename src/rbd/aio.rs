@@ -486,6 +486,12 @@ fn finish_open(
     Ok(RawImage(raw))
 }
 
+/// The largest buffer one AIO read or write may take (2 GiB - 1): librbd
+/// reports the result as an `int` internally and copies write buffers with
+/// 32-bit lengths, so larger requests would be cut or misreported. Split
+/// them.
+pub const MAX_AIO_LEN: u64 = i32::MAX as u64;
+
 fn check_range(image: &Image, op: &'static str, offset: u64, len: u64) -> Result<()> {
     if offset.checked_add(len).is_none() {
         return Err(Error::invalid(
@@ -497,13 +503,27 @@ fn check_range(image: &Image, op: &'static str, offset: u64, len: u64) -> Result
     Ok(())
 }
 
+/// [`check_range`] plus the [`MAX_AIO_LEN`] bound, for requests with a buffer.
+fn check_buffer(image: &Image, op: &'static str, offset: u64, len: u64) -> Result<()> {
+    if len > MAX_AIO_LEN {
+        return Err(Error::invalid(
+            op,
+            image.spec(),
+            format!("{len} bytes in one request; at most {MAX_AIO_LEN} are allowed (split it)"),
+        ));
+    }
+    check_range(image, op, offset, len)
+}
+
 /// Checks a write's range against the image size before submitting:
 /// librbd's AIO path silently clips a write that runs past the end and
-/// still reports success, so the check has to happen here. (A resize that
-/// races with the write can still clip it, as it would for any client.)
+/// still reports success, so the check has to happen here. It uses the
+/// size last seen and asks librbd (a call that may block) only when the
+/// write reaches past it. (A resize that races with the write, or a shrink
+/// by another client, can still clip it, as it would for any client.)
 fn check_write_range(image: &Image, op: &'static str, offset: u64, len: u64) -> Result<()> {
-    check_range(image, op, offset, len)?;
-    let size = image.size()?;
+    check_buffer(image, op, offset, len)?;
+    let size = image.size_covering(offset + len)?;
     if offset + len > size {
         return Err(crate::rbd::io::past_end(
             op,
@@ -543,7 +563,7 @@ impl Image {
     /// reused) and resolves to it, truncated to the bytes read. Wraps
     /// `rbd_aio_read`.
     pub fn aio_read_into(&self, offset: u64, mut buf: Vec<u8>) -> AioRead {
-        if let Err(e) = check_range(self, "rbd_aio_read", offset, buf.len() as u64) {
+        if let Err(e) = check_buffer(self, "rbd_aio_read", offset, buf.len() as u64) {
             return self.aio_refused(e, finish_read);
         }
         let (p, len) = (buf.as_mut_ptr(), buf.len());
@@ -791,7 +811,7 @@ fn check_iovecs(image: &Image, op: &'static str, offset: u64, n: usize, total: u
             format!("{n} buffers given; between 1 and {MAX_IOVECS} are allowed"),
         ));
     }
-    check_range(image, op, offset, total)
+    check_buffer(image, op, offset, total)
 }
 
 /// The future of [`Image::open_async`] and [`Image::open_read_only_async`].

@@ -3,7 +3,8 @@
 
 use std::fmt;
 use std::ptr;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use rbd_sys as sys;
 
@@ -88,6 +89,26 @@ pub fn remove(ioctx: &IoCtx, name: &str) -> Result<()> {
     Ok(())
 }
 
+/// [`remove`] that stops once `deadline` passes, with an
+/// [`ErrorKind::TimedOut`] error; the image may then be partly removed (its
+/// data objects in part), and a later call finishes the job. Wraps
+/// `rbd_remove_with_progress`, whose progress callback checks the deadline.
+pub fn remove_with_deadline(ioctx: &IoCtx, name: &str, deadline: Instant) -> Result<()> {
+    let n = cstr(name, "rbd_remove_with_progress", "image name")?;
+    crate::util::with_deadline(
+        deadline,
+        "rbd_remove_with_progress",
+        || ioctx.object_spec(name),
+        |cb, arg| {
+            // SAFETY: the ioctx is live; `n` is NUL-terminated; `cb` and
+            // `arg` are the deadline callback and its `Instant`, which
+            // outlives this call.
+            unsafe { sys::rbd_remove_with_progress(ioctx.raw(), n.as_ptr(), cb, arg) }
+        },
+    )
+    .map_err(explain_remove)
+}
+
 fn explain_remove(e: Error) -> Error {
     match e.kind() {
         ErrorKind::Busy => {
@@ -153,7 +174,15 @@ pub struct Image {
     ioctx: IoCtx,
     name: String,
     read_only: bool,
+    /// The size last seen ([`UNKNOWN_SIZE`] before the first look), for the
+    /// range checks of the I/O paths; see [`Image::size_covering`].
+    cached_size: AtomicU64,
+    /// How often the I/O range checks had to call `rbd_get_size`.
+    size_lookups: AtomicUsize,
 }
+
+/// `cached_size` before any size was seen.
+const UNKNOWN_SIZE: u64 = u64::MAX;
 
 // SAFETY: librbd's ImageCtx protects its state with owner_lock/image_lock and
 // its I/O paths are used concurrently by QEMU on one handle; the calls that
@@ -260,7 +289,12 @@ impl Image {
             ioctx: ioctx.clone(),
             name: name.to_owned(),
             read_only: mode == OpenMode::ReadOnly,
+            cached_size: AtomicU64::new(UNKNOWN_SIZE),
+            size_lookups: AtomicUsize::new(0),
         };
+        // Cheap right after the open (the header was just read); spares the
+        // first AIO write a lookup.
+        let _ = image.size();
         if by_id {
             // Report the real name in messages, not the id.
             if let Ok(real) = image.get_name() {
@@ -285,6 +319,8 @@ impl Image {
             ioctx: ioctx.clone(),
             name: name.to_owned(),
             read_only,
+            cached_size: AtomicU64::new(UNKNOWN_SIZE),
+            size_lookups: AtomicUsize::new(0),
         }
     }
 
@@ -363,7 +399,30 @@ impl Image {
         // SAFETY: valid out-pointer; the image is open.
         let ret = unsafe { sys::rbd_get_size(self.raw, &mut size) };
         self.cvt(ret, "rbd_get_size")?;
+        self.cached_size.store(size, Ordering::Relaxed);
         Ok(size)
+    }
+
+    /// The image size for a range check that needs the image to reach
+    /// `end`: the size last seen if it does, without a librbd call (which
+    /// can block to refresh the header); otherwise a fresh `rbd_get_size`.
+    /// So a grown image is seen as soon as I/O reaches past the old end; a
+    /// shrink by another client is seen only by librbd itself.
+    pub(crate) fn size_covering(&self, end: u64) -> Result<u64> {
+        let cached = self.cached_size.load(Ordering::Relaxed);
+        if cached != UNKNOWN_SIZE && end <= cached {
+            return Ok(cached);
+        }
+        self.size_lookups.fetch_add(1, Ordering::Relaxed);
+        self.size()
+    }
+
+    /// How many times this handle's I/O range checks (AIO writes,
+    /// `ImageIo`) had to call `rbd_get_size` rather than use the size last
+    /// seen. For tests.
+    #[doc(hidden)]
+    pub fn io_size_lookups(&self) -> usize {
+        self.size_lookups.load(Ordering::Relaxed)
     }
 
     /// Grows the image to `size` bytes (a no-op when it is that size already).
@@ -402,6 +461,8 @@ impl Image {
                 ptr::null_mut(),
             )
         };
+        // Whatever happened, the size is re-read when I/O next needs it.
+        self.cached_size.store(UNKNOWN_SIZE, Ordering::Relaxed);
         match self.cvt(ret, "rbd_resize2") {
             Err(e) if !allow_shrink && e.kind() == ErrorKind::InvalidArgument => {
                 Err(Error::with_kind(
@@ -596,6 +657,23 @@ impl Image {
         let ret = unsafe { sys::rbd_flatten(self.raw) };
         self.cvt(ret, "rbd_flatten")?;
         Ok(())
+    }
+
+    /// [`Image::flatten`] that stops once `deadline` passes, with an
+    /// [`ErrorKind::TimedOut`] error; a later call goes on from where it
+    /// stopped. Wraps `rbd_flatten_with_progress`, whose progress callback
+    /// checks the deadline.
+    pub fn flatten_with_deadline(&self, deadline: Instant) -> Result<()> {
+        crate::util::with_deadline(
+            deadline,
+            "rbd_flatten_with_progress",
+            || self.spec(),
+            |cb, arg| {
+                // SAFETY: the image is open; `cb`/`arg` are the deadline
+                // callback and its `Instant`, which outlives this call.
+                unsafe { sys::rbd_flatten_with_progress(self.raw, cb, arg) }
+            },
+        )
     }
 
     /// Deallocates runs of zeroes of at least `sparse_size` bytes. Wraps

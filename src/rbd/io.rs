@@ -6,6 +6,12 @@ use rbd_sys as sys;
 use crate::error::{Error, Result};
 use crate::rbd::Image;
 
+/// The largest length one synchronous `rbd_read`/`rbd_write`/
+/// `rbd_write_zeroes`/`rbd_discard` call is given: their results pass
+/// through an `int` inside librbd, and its buffer copies count in 32 bits,
+/// so larger requests are split into calls of at most this size.
+pub(crate) const MAX_SYNC_CHUNK: usize = 1 << 30;
+
 impl Image {
     fn check_range(&self, op: &'static str, offset: u64, len: usize) -> Result<()> {
         if offset.checked_add(len as u64).is_none() {
@@ -19,14 +25,25 @@ impl Image {
     }
 
     /// Reads into `buf` at `offset`; returns how many bytes were read (fewer
-    /// than asked only past the end of the image). Wraps `rbd_read`.
+    /// than asked only past the end of the image). Wraps `rbd_read`, one call
+    /// per 1 GiB, so buffers of any size work.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<usize> {
         self.check_range("rbd_read", offset, buf.len())?;
-        // SAFETY: `buf` is writable for its length; librbd writes at most
-        // that many bytes and returns the count.
-        let ret = unsafe { sys::rbd_read(self.raw(), offset, buf.len(), buf.as_mut_ptr().cast()) };
-        let n = self.cvt(ret, "rbd_read")?;
-        Ok((n as usize).min(buf.len()))
+        let mut done = 0usize;
+        for chunk in buf.chunks_mut(MAX_SYNC_CHUNK) {
+            let at = offset + done as u64;
+            // SAFETY: `chunk` is writable for its length (at most 1 GiB, so
+            // the count fits librbd's int); librbd writes at most that many
+            // bytes and returns the count.
+            let ret =
+                unsafe { sys::rbd_read(self.raw(), at, chunk.len(), chunk.as_mut_ptr().cast()) };
+            let n = (self.cvt(ret, "rbd_read")? as usize).min(chunk.len());
+            done += n;
+            if n < chunk.len() {
+                break; // the end of the image
+            }
+        }
+        Ok(done)
     }
 
     /// Reads exactly `buf.len()` bytes at `offset`, failing if the image ends
@@ -48,41 +65,75 @@ impl Image {
 
     /// Writes `data` at `offset`; the range must lie within the image.
     /// Wraps `rbd_write`.
+    ///
+    /// Data of more than 1 GiB is written in 1 GiB calls, in order; if one
+    /// fails, the ones before it have been written.
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<()> {
         self.check_range("rbd_write", offset, data.len())?;
-        // SAFETY: `data` is readable for its length; librbd copies it before
-        // returning.
-        let ret = unsafe { sys::rbd_write(self.raw(), offset, data.len(), data.as_ptr().cast()) };
-        let n = self.cvt(ret, "rbd_write")?;
-        if n as usize != data.len() {
-            return Err(Error::with_kind(
-                crate::ErrorKind::InvalidArgument,
-                libc::EINVAL,
-                "rbd_write",
-                self.spec(),
-                format!(
-                    "short write: {n} of {} bytes at offset {offset} (the range runs past the end of the image)",
-                    data.len()
-                ),
-            ));
+        if data.len() > MAX_SYNC_CHUNK {
+            // Check up front, so a range past the end writes nothing.
+            let size = self.size()?;
+            if offset + data.len() as u64 > size {
+                return Err(past_end(
+                    "rbd_write",
+                    &self.spec(),
+                    offset,
+                    data.len() as u64,
+                    size,
+                ));
+            }
+        }
+        let mut done = 0usize;
+        for chunk in data.chunks(MAX_SYNC_CHUNK) {
+            let at = offset + done as u64;
+            // SAFETY: `chunk` is readable for its length (at most 1 GiB);
+            // librbd copies it before returning.
+            let ret = unsafe { sys::rbd_write(self.raw(), at, chunk.len(), chunk.as_ptr().cast()) };
+            let n = self.cvt(ret, "rbd_write")?;
+            if n as usize != chunk.len() {
+                return Err(Error::with_kind(
+                    crate::ErrorKind::InvalidArgument,
+                    libc::EINVAL,
+                    "rbd_write",
+                    self.spec(),
+                    format!(
+                        "short write: {n} of {} bytes at offset {at} (the range runs past the end of the image)",
+                        chunk.len()
+                    ),
+                ));
+            }
+            done += chunk.len();
         }
         Ok(())
     }
 
-    /// Deallocates a range; it reads back as zeroes. Wraps `rbd_discard`.
+    /// Deallocates a range; it reads back as zeroes. Wraps `rbd_discard`,
+    /// one call per 1 GiB.
     pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
-        // SAFETY: the image is open.
-        let ret = unsafe { sys::rbd_discard(self.raw(), offset, len) };
-        self.cvt(ret, "rbd_discard")?;
+        if offset.checked_add(len).is_none() {
+            return Err(Error::invalid(
+                "rbd_discard",
+                self.spec(),
+                format!("offset {offset} + length {len} overflows"),
+            ));
+        }
+        for (at, n) in chunks(offset, len) {
+            // SAFETY: the image is open; `n` is at most 1 GiB.
+            let ret = unsafe { sys::rbd_discard(self.raw(), at, n) };
+            self.cvt(ret, "rbd_discard")?;
+        }
         Ok(())
     }
 
-    /// Writes zeroes over a range. Wraps `rbd_write_zeroes`.
+    /// Writes zeroes over a range. Wraps `rbd_write_zeroes`, one call per
+    /// 1 GiB.
     pub fn write_zeroes(&self, offset: u64, len: usize) -> Result<()> {
         self.check_range("rbd_write_zeroes", offset, len)?;
-        // SAFETY: the image is open; no flags.
-        let ret = unsafe { sys::rbd_write_zeroes(self.raw(), offset, len, 0, 0) };
-        self.cvt(ret, "rbd_write_zeroes")?;
+        for (at, n) in chunks(offset, len as u64) {
+            // SAFETY: the image is open; no flags; `n` is at most 1 GiB.
+            let ret = unsafe { sys::rbd_write_zeroes(self.raw(), at, n as usize, 0, 0) };
+            self.cvt(ret, "rbd_write_zeroes")?;
+        }
         Ok(())
     }
 
@@ -104,6 +155,16 @@ impl Image {
             ));
         }
         self.check_range("rbd_compare_and_write", offset, data.len())?;
+        if data.len() > MAX_SYNC_CHUNK {
+            return Err(Error::invalid(
+                "rbd_compare_and_write",
+                self.spec(),
+                format!(
+                    "{} bytes given; at most {MAX_SYNC_CHUNK} are allowed",
+                    data.len()
+                ),
+            ));
+        }
         let mut mismatch = 0u64;
         // SAFETY: both buffers are readable for `data.len()` bytes; the
         // out-pointer is valid.
@@ -140,6 +201,13 @@ impl Image {
         self.cvt(ret, "rbd_invalidate_cache")?;
         Ok(())
     }
+}
+
+/// Splits `len` bytes at `offset` into (offset, length) pieces of at most
+/// [`MAX_SYNC_CHUNK`] bytes.
+fn chunks(offset: u64, len: u64) -> impl Iterator<Item = (u64, u64)> {
+    let step = MAX_SYNC_CHUNK as u64;
+    (0..len.div_ceil(step)).map(move |i| (offset + i * step, (len - i * step).min(step)))
 }
 
 /// The error for a write whose range runs past the end of the image.

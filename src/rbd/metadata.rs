@@ -1,12 +1,13 @@
 //! Image metadata: string key/value pairs stored with the image header.
 
 use std::collections::BTreeMap;
+use std::ffi::CString;
 
 use rbd_sys as sys;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::rbd::Image;
-use crate::util::{cstr, sized_buffer, split_nul_list, string_from_buf};
+use crate::util::{cstr, sized_buffer, string_from_buf};
 
 /// How many pairs one `rbd_metadata_list` round asks for.
 const PAGE: u64 = 256;
@@ -51,13 +52,58 @@ impl Image {
         Ok(())
     }
 
+    /// Sets one metadata value with the key and value as raw bytes (other
+    /// clients may write keys that are not UTF-8). Neither may contain a NUL
+    /// byte. Wraps `rbd_metadata_set`.
+    pub fn metadata_set_bytes(&self, key: &[u8], value: &[u8]) -> Result<()> {
+        let nul = |what: &str| {
+            Error::invalid(
+                "rbd_metadata_set",
+                self.spec(),
+                format!("metadata {what} contains a NUL byte"),
+            )
+        };
+        let k = CString::new(key).map_err(|_| nul("key"))?;
+        let v = CString::new(value).map_err(|_| nul("value"))?;
+        // SAFETY: the image is open; both strings are NUL-terminated.
+        let ret = unsafe { sys::rbd_metadata_set(self.raw(), k.as_ptr(), v.as_ptr()) };
+        self.cvt(ret, "rbd_metadata_set")?;
+        Ok(())
+    }
+
     /// Lists all metadata pairs, paging through as many rounds as needed.
     /// Wraps `rbd_metadata_list`.
+    ///
+    /// Keys and values that are not UTF-8 are shown with U+FFFD in place of
+    /// bad bytes; [`Image::metadata_list_bytes`] gives them exactly.
     pub fn metadata_list(&self) -> Result<BTreeMap<String, String>> {
+        Ok(self
+            .metadata_list_bytes()?
+            .into_iter()
+            .map(|(k, v)| {
+                (
+                    String::from_utf8_lossy(&k).into_owned(),
+                    String::from_utf8_lossy(&v).into_owned(),
+                )
+            })
+            .collect())
+    }
+
+    /// All metadata pairs as raw bytes. Each page starts after the exact last
+    /// key of the one before, so every key is listed once, UTF-8 or not.
+    /// Wraps `rbd_metadata_list`.
+    pub fn metadata_list_bytes(&self) -> Result<BTreeMap<Vec<u8>, Vec<u8>>> {
         let mut out = BTreeMap::new();
-        let mut start = String::new();
+        let mut start: Vec<u8> = Vec::new();
         loop {
-            let s = cstr(&start, "rbd_metadata_list", "metadata key")?;
+            // Keys come NUL-separated, so none holds a NUL byte.
+            let s = CString::new(start.clone()).map_err(|_| {
+                Error::invalid(
+                    "rbd_metadata_list",
+                    self.spec(),
+                    "metadata key contains a NUL byte",
+                )
+            })?;
             let mut keys_len = 4096usize;
             let mut vals_len = 4096usize;
             let (keys, vals) = loop {
@@ -86,16 +132,16 @@ impl Image {
                 vals.truncate(vals_len.min(vals.len()));
                 break (keys, vals);
             };
-            let keys = split_nul_list(&keys);
+            let keys: Vec<&[u8]> = keys.split(|b| *b == 0).filter(|k| !k.is_empty()).collect();
             // Values may be empty strings, so split without dropping empties.
-            let vals: Vec<String> = vals
-                .split(|b| *b == 0)
-                .map(|v| String::from_utf8_lossy(v).into_owned())
-                .collect();
+            let vals: Vec<&[u8]> = vals.split(|b| *b == 0).collect();
             let got = keys.len() as u64;
             for (i, k) in keys.into_iter().enumerate() {
-                start.clone_from(&k);
-                out.insert(k, vals.get(i).cloned().unwrap_or_default());
+                start = k.to_vec();
+                out.insert(
+                    k.to_vec(),
+                    vals.get(i).map(|v| v.to_vec()).unwrap_or_default(),
+                );
             }
             if got < PAGE {
                 return Ok(out);

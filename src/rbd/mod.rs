@@ -29,7 +29,7 @@ mod watchers;
 
 #[doc(hidden)]
 pub use aio::aio_live_requests;
-pub use aio::{AioClose, AioFuture, AioOpen, AioRead};
+pub use aio::{AioClose, AioFuture, AioOpen, AioRead, MAX_AIO_LEN};
 pub use clone::{clone, LinkedImage, ParentInfo};
 pub use config::{config_pool_list, ConfigOption, ConfigSource};
 pub use features::Features;
@@ -38,7 +38,9 @@ pub use group::{
     group_rename, group_snap_create, group_snap_list, group_snap_remove, group_snap_rollback,
     GroupImage, GroupSnap,
 };
-pub use image::{create, list, list_names, remove, rename, Image, ImageInfo, ImageSpec};
+pub use image::{
+    create, list, list_names, remove, remove_with_deadline, rename, Image, ImageInfo, ImageSpec,
+};
 pub use locks::{LockMode, Locker, Lockers};
 pub use migration::{
     migration_abort, migration_commit, migration_execute, migration_prepare, migration_status,
@@ -53,10 +55,10 @@ pub use snapshot::SnapInfo;
 #[cfg(feature = "service")]
 pub use tokio_io::ImageIo;
 pub use trash::{
-    trash_get, trash_list, trash_move, trash_purge, trash_remove, trash_restore, TrashEntry,
-    TrashSource,
+    trash_get, trash_list, trash_move, trash_purge, trash_remove, trash_remove_with_deadline,
+    trash_restore, TrashEntry, TrashSource,
 };
-pub use watchers::{UpdateWatch, Watcher};
+pub use watchers::{UpdateWatch, Watcher, UNWATCH_TIMEOUT};
 
 /// The librbd version this process loaded, as `(major, minor, extra)`.
 /// Wraps `rbd_version`.

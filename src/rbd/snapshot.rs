@@ -22,6 +22,31 @@ pub struct SnapInfo {
     pub name: String,
 }
 
+/// The most snapshots [`Image::snap_list`] makes room for (librbd allows far
+/// fewer per image), and the most rounds it retries on `ERANGE`.
+const MAX_SNAPS: i32 = 1 << 20;
+const MAX_ROUNDS: usize = 8;
+
+/// Calls `rbd_snap_list` through `call` with an array that grows while it
+/// answers `-ERANGE`, at most [`MAX_ROUNDS`] times and up to [`MAX_SNAPS`]
+/// entries; then gives up with `-ERANGE`. Returns the C result and the
+/// array (one entry longer than librbd was told, for its terminator).
+fn snap_array(
+    mut call: impl FnMut(*mut sys::rbd_snap_info_t, &mut i32) -> i32,
+) -> (i32, Vec<sys::rbd_snap_info_t>) {
+    let mut max: i32 = 16;
+    for _ in 0..MAX_ROUNDS {
+        let mut snaps = vec![sys::rbd_snap_info_t::default(); max as usize + 1];
+        let mut n = max;
+        let ret = call(snaps.as_mut_ptr(), &mut n);
+        if ret != -libc::ERANGE || max >= MAX_SNAPS {
+            return (ret, snaps);
+        }
+        max = if n > max { n } else { max.saturating_mul(2) }.min(MAX_SNAPS);
+    }
+    (-libc::ERANGE, vec![sys::rbd_snap_info_t::default()])
+}
+
 impl Image {
     fn snap_spec(&self, snap: &str) -> String {
         format!("{}@{}", self.spec(), snap)
@@ -57,36 +82,24 @@ impl Image {
     /// Lists the image's user snapshots. Wraps `rbd_snap_list` (retrying with
     /// a larger array on `ERANGE`) and `rbd_snap_list_end`.
     pub fn snap_list(&self) -> Result<Vec<SnapInfo>> {
-        let mut max: i32 = 16;
-        loop {
-            // librbd writes up to `max` entries plus a terminating one.
-            let mut snaps = vec![sys::rbd_snap_info_t::default(); max as usize + 1];
-            let mut n = max;
-            // SAFETY: `snaps` has room for `max` entries (and one more); on
-            // -ERANGE librbd sets `n` to the count it needs and fills nothing.
-            let ret = unsafe { sys::rbd_snap_list(self.raw(), snaps.as_mut_ptr(), &mut n) };
-            if ret == -libc::ERANGE {
-                if n <= max || n > 1 << 20 {
-                    max = max.saturating_mul(2);
-                } else {
-                    max = n;
-                }
-                continue;
-            }
-            let count = self.cvt(ret, "rbd_snap_list")? as usize;
-            let out = snaps[..count.min(max as usize)]
-                .iter()
-                .map(|s| SnapInfo {
-                    id: s.id,
-                    size: s.size,
-                    // SAFETY: librbd filled the first `count` entries.
-                    name: unsafe { from_cstr(s.name) },
-                })
-                .collect();
-            // SAFETY: frees the names librbd allocated in this array, once.
-            unsafe { sys::rbd_snap_list_end(snaps.as_mut_ptr()) };
-            return Ok(out);
-        }
+        let (ret, mut snaps) = snap_array(|p, n| {
+            // SAFETY: `p` has room for `*n` entries and one more; on -ERANGE
+            // librbd sets `*n` to the count it needs and fills nothing.
+            unsafe { sys::rbd_snap_list(self.raw(), p, n) }
+        });
+        let count = self.cvt(ret, "rbd_snap_list")? as usize;
+        let out = snaps[..count.min(snaps.len().saturating_sub(1))]
+            .iter()
+            .map(|s| SnapInfo {
+                id: s.id,
+                size: s.size,
+                // SAFETY: librbd filled the first `count` entries.
+                name: unsafe { from_cstr(s.name) },
+            })
+            .collect();
+        // SAFETY: frees the names librbd allocated in this array, once.
+        unsafe { sys::rbd_snap_list_end(snaps.as_mut_ptr()) };
+        Ok(out)
     }
 
     /// True when a snapshot of that name exists. Wraps `rbd_snap_exists`.
@@ -226,5 +239,42 @@ impl Image {
         let ret = unsafe { sys::rbd_snap_set_limit(self.raw(), limit) };
         self.cvt(ret, "rbd_snap_set_limit")?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snap_list_retries_on_erange_a_bounded_number_of_times() {
+        // A library that always wants more: gives up instead of looping.
+        let mut calls = 0;
+        let (ret, _) = snap_array(|_, n| {
+            calls += 1;
+            *n = n.saturating_mul(4);
+            -libc::ERANGE
+        });
+        assert_eq!(ret, -libc::ERANGE);
+        assert!(calls <= MAX_ROUNDS, "{calls}");
+        // One that answers ERANGE without saying how much it needs.
+        let mut calls = 0;
+        let (ret, _) = snap_array(|_, _| {
+            calls += 1;
+            -libc::ERANGE
+        });
+        assert_eq!(ret, -libc::ERANGE);
+        assert!(calls <= MAX_ROUNDS, "{calls}");
+        // Grows to what is asked for once.
+        let (ret, snaps) = snap_array(|_, n| {
+            if *n < 100 {
+                *n = 100;
+                -libc::ERANGE
+            } else {
+                0
+            }
+        });
+        assert_eq!(ret, 0);
+        assert_eq!(snaps.len(), 101);
     }
 }

@@ -76,8 +76,10 @@ impl ImageIo {
         self.image
     }
 
+    /// The size for I/O at the current position: cached while the position
+    /// is inside it, re-read (a call that may block) only at or past it.
     fn size(&self) -> io::Result<u64> {
-        Ok(self.image.size()?)
+        Ok(self.image.size_covering(self.pos.saturating_add(1))?)
     }
 
     /// Polls the writes in flight, oldest first, until one is pending.
@@ -202,7 +204,7 @@ impl AsyncSeek for ImageIo {
         let target = match to {
             io::SeekFrom::Start(n) => Some(n),
             io::SeekFrom::Current(d) => this.pos.checked_add_signed(d),
-            io::SeekFrom::End(d) => this.size()?.checked_add_signed(d),
+            io::SeekFrom::End(d) => this.image.size()?.checked_add_signed(d),
         };
         let target = target.ok_or_else(|| {
             io::Error::new(

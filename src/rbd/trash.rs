@@ -122,6 +122,30 @@ pub fn trash_remove(ioctx: &IoCtx, id: &str, force: bool) -> Result<()> {
     Ok(())
 }
 
+/// [`trash_remove`] that stops once `deadline` passes, with an
+/// [`crate::ErrorKind::TimedOut`] error; the image's data may then be partly
+/// removed, and a later call finishes. Wraps `rbd_trash_remove_with_progress`,
+/// whose progress callback checks the deadline.
+pub fn trash_remove_with_deadline(
+    ioctx: &IoCtx,
+    id: &str,
+    force: bool,
+    deadline: std::time::Instant,
+) -> Result<()> {
+    let i = cstr(id, "rbd_trash_remove_with_progress", "image id")?;
+    crate::util::with_deadline(
+        deadline,
+        "rbd_trash_remove_with_progress",
+        || format!("{} (trash id {id})", ioctx.spec()),
+        |cb, arg| {
+            // SAFETY: the ioctx is live; `i` is NUL-terminated; `cb`/`arg`
+            // are the deadline callback and its `Instant`, which outlives
+            // this call.
+            unsafe { sys::rbd_trash_remove_with_progress(ioctx.raw(), i.as_ptr(), force, cb, arg) }
+        },
+    )
+}
+
 /// Removes every trashed image whose deferment ended before `expire`.
 /// Wraps `rbd_trash_purge`.
 pub fn trash_purge(ioctx: &IoCtx, expire: SystemTime) -> Result<()> {

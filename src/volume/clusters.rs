@@ -416,9 +416,13 @@ impl Connections {
     }
 
     /// Drops connections nobody has used for `idle`. Returns how many.
+    ///
+    /// They are taken out under the map lock but shut down (`rados_shutdown`
+    /// can block) after it is released, on tokio's blocking pool when
+    /// called inside a runtime.
     pub fn reap(&self, idle: Duration) -> usize {
+        let mut removed = Vec::new();
         let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
-        let before = slots.len();
         slots.retain(|key, slot| {
             let in_use = slot.users.load(Ordering::SeqCst) > 0;
             let recent = slot
@@ -429,11 +433,16 @@ impl Connections {
             let keep = in_use || recent;
             if !keep {
                 tracing::info!(cluster = %key.cluster_id, user = %key.user, "closing idle Ceph connection");
+                removed.push(Arc::clone(slot));
             }
             keep
         });
-        let dropped = before - slots.len();
         drop(slots);
+        let dropped = removed.len();
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(move || drop(removed))),
+            Err(_) => drop(removed),
+        }
         self.metrics.set_connections(self.len());
         dropped
     }
@@ -451,10 +460,8 @@ impl Connections {
                 _ = &mut shutdown => return,
                 _ = tokio::time::sleep(every) => {}
             }
-            // Dropping a Cluster may block in rados_shutdown: do it off the
-            // runtime.
-            let me = Arc::clone(&self);
-            let _ = tokio::task::spawn_blocking(move || me.reap(idle)).await;
+            // reap only takes the map lock; shutdowns go to the blocking pool.
+            self.reap(idle);
         }
     }
 }

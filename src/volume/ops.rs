@@ -366,9 +366,16 @@ pub fn delete_image(
     if outcome == Deleted::AlreadyGone {
         let entries = timed(metrics, "trash_list", || rbd::trash_list(&io))?;
         for entry in entries.iter().filter(|e| e.name == vol.image) {
-            if let Ok(img) = Image::open_by_id_read_only(&io, &entry.id) {
-                check_owner(&img, metrics, provisioner, pv_name)?;
-            }
+            // Fail closed: a forced purge runs only on an entry proven ours.
+            let img = timed(metrics, "open", || {
+                Image::open_by_id_read_only(&io, &entry.id)
+            })
+            .map_err(|e| VolumeError::NotOwned {
+                image: format!("{} (trash id {})", vol.image, entry.id),
+                why: format!("its owner cannot be checked: {e}"),
+            })?;
+            check_owner(&img, metrics, provisioner, pv_name)?;
+            drop(img);
             purge(&io, metrics, &vol.image, &entry.id)?;
             outcome = Deleted::Purged;
         }

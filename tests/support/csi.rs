@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hyper_util::rt::TokioIo;
@@ -123,8 +124,9 @@ pub async fn channel(socket: &Path) -> Channel {
 /// One CSI world: a clusters config pointing at the test cluster (in a
 /// RADOS namespace of its own), a mapper daemon, and a CSI server.
 pub struct CsiEnv {
-    /// The RBD namespace the clusterID maps to.
-    pub rbd: TestNs,
+    /// The RBD namespace the clusterID maps to (shared by the nodes of one
+    /// test).
+    pub rbd: Arc<TestNs>,
     /// The clusterID.
     pub cluster_id: String,
     /// The working folder (sockets, state, staging and target paths).
@@ -151,15 +153,20 @@ pub enum Mode {
 impl CsiEnv {
     /// Starts a world named after `test`.
     pub async fn new(test: &str, mode: Mode) -> CsiEnv {
-        let rbd = TestNs::new(test);
+        let rbd = Arc::new(TestNs::new(test));
         let cluster_id = unique(test);
-        let env = CsiEnv::with_ns(rbd, cluster_id, mode, "node-a").await;
-        env
+        CsiEnv::with_ns(rbd, cluster_id, mode, "node-a", &[]).await
     }
 
     /// Starts a world on an existing namespace and clusterID (a second node
     /// of the same cluster, say).
-    pub async fn with_ns(rbd: TestNs, cluster_id: String, mode: Mode, node_id: &str) -> CsiEnv {
+    pub async fn with_ns(
+        rbd: Arc<TestNs>,
+        cluster_id: String,
+        mode: Mode,
+        node_id: &str,
+        extra_args: &[&str],
+    ) -> CsiEnv {
         let ceph = TestCluster::get();
         // Under /tmp, not the target dir: unix socket paths are short.
         let dir = tempfile::Builder::new()
@@ -189,32 +196,34 @@ impl CsiEnv {
             )
         });
         let socket = dir.path().join("csi.sock");
+        let mut args: Vec<String> = vec![
+            "csi".into(),
+            "--endpoint".into(),
+            format!("unix://{}", socket.display()),
+            "--node-id".into(),
+            node_id.into(),
+            "--mode".into(),
+            if mode == Mode::All {
+                "all"
+            } else {
+                "controller"
+            }
+            .into(),
+            "--clusters-config".into(),
+            config_path.display().to_string(),
+            "--mapper-socket".into(),
+            mapper_sock.display().to_string(),
+            "--state-dir".into(),
+            dir.path().join("csi-state").display().to_string(),
+            "--default-mapper".into(),
+            "rbdkit-fuse".into(),
+            "--topology".into(),
+            format!("topology.rbd.rbdkit.io/node={node_id}"),
+        ];
+        args.extend(extra_args.iter().map(|a| a.to_string()));
         let csi = Daemon::spawn(
             &format!("rbdkit csi {node_id}"),
-            vec![
-                "csi".into(),
-                "--endpoint".into(),
-                format!("unix://{}", socket.display()),
-                "--node-id".into(),
-                node_id.into(),
-                "--mode".into(),
-                if mode == Mode::All {
-                    "all"
-                } else {
-                    "controller"
-                }
-                .into(),
-                "--clusters-config".into(),
-                config_path.display().to_string(),
-                "--mapper-socket".into(),
-                mapper_sock.display().to_string(),
-                "--state-dir".into(),
-                dir.path().join("csi-state").display().to_string(),
-                "--default-mapper".into(),
-                "rbdkit-fuse".into(),
-                "--topology".into(),
-                format!("topology.rbd.rbdkit.io/node={node_id}"),
-            ],
+            args,
             dir.path().join("csi.log"),
         );
         CsiEnv {

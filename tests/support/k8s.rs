@@ -163,6 +163,12 @@ impl ControlPlane {
         from_env().unwrap_or_else(|| launch().unwrap_or_else(|e| panic!("{e}")))
     }
 
+    /// A control plane of this test's own even when `RBDKIT_TEST_KUBECONFIG`
+    /// is set: started now and stopped when the returned value is dropped.
+    pub fn start_private() -> ControlPlane {
+        launch().unwrap_or_else(|e| panic!("{e}"))
+    }
+
     /// The admin kubeconfig (client certificate in group `system:masters`).
     pub fn kubeconfig_path(&self) -> &Path {
         &self.kubeconfig

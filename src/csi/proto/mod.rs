@@ -57,6 +57,80 @@ mod tests {
         );
     }
 
+    struct Plugin;
+
+    #[tonic::async_trait]
+    impl identity_server::Identity for Plugin {
+        async fn get_plugin_info(
+            &self,
+            _: tonic::Request<GetPluginInfoRequest>,
+        ) -> Result<tonic::Response<GetPluginInfoResponse>, tonic::Status> {
+            Ok(tonic::Response::new(GetPluginInfoResponse {
+                name: "rbd.rbdkit.io".into(),
+                vendor_version: "test".into(),
+                ..Default::default()
+            }))
+        }
+        async fn get_plugin_capabilities(
+            &self,
+            _: tonic::Request<GetPluginCapabilitiesRequest>,
+        ) -> Result<tonic::Response<GetPluginCapabilitiesResponse>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not in this test"))
+        }
+        async fn probe(
+            &self,
+            _: tonic::Request<ProbeRequest>,
+        ) -> Result<tonic::Response<ProbeResponse>, tonic::Status> {
+            Ok(tonic::Response::new(ProbeResponse { ready: Some(true) }))
+        }
+    }
+
+    /// The generated server and client talk over a unix socket, the way
+    /// kubelet and csi-sanity reach the driver.
+    #[tokio::test]
+    async fn identity_over_a_unix_socket() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("csi.sock");
+        let listener = tokio::net::UnixListener::bind(&path).unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(identity_server::IdentityServer::new(Plugin))
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::UnixListenerStream::new(listener),
+                    async {
+                        let _ = stopped.await;
+                    },
+                ),
+        );
+        let uri = format!("unix://{}", path.display());
+        let call = async {
+            let mut client = identity_client::IdentityClient::connect(uri).await.unwrap();
+            let info = client
+                .get_plugin_info(GetPluginInfoRequest {})
+                .await
+                .unwrap()
+                .into_inner();
+            assert_eq!(info.name, "rbd.rbdkit.io");
+            let ready = client.probe(ProbeRequest {}).await.unwrap().into_inner();
+            assert_eq!(ready.ready, Some(true));
+            let e = client
+                .get_plugin_capabilities(GetPluginCapabilitiesRequest {})
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), tonic::Code::Unimplemented);
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(20), call)
+            .await
+            .expect("the gRPC calls finished in time");
+        stop.send(()).unwrap();
+        tokio::time::timeout(std::time::Duration::from_secs(20), server)
+            .await
+            .expect("the server stopped in time")
+            .unwrap()
+            .unwrap();
+    }
+
     #[test]
     fn services_are_generated() {
         // The names the gRPC clients put on the wire.
