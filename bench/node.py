@@ -1,0 +1,564 @@
+"""The node data-path group of bench/run: fio through rbdkit's userspace
+mapper (`rbdkit fuse-mapper`: a FUSE file plus a loop device), on the raw
+device and on ext4 mounted on it, against `rbd bench` on the same image and
+against Ceph's own userspace peer, `rbd-fuse`, with a loop device on its
+file. See bench/README.md, section 5.
+"""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+CONTENDERS = ["rbd-bench", "mapper-block", "mapper-fs", "rbd-fuse"]
+NAMES = {"rbd-bench": "rbd bench", "mapper-block": "mapper, block",
+         "mapper-fs": "mapper, ext4 file", "rbd-fuse": "rbd-fuse + loop"}
+# Goals (issue): vs rbd bench, by workload kind.
+GOALS = {"rand": 0.6, "seq": 0.8}
+
+FIO_TIMEOUT = 300  # s, any one fio run
+STEP_TIMEOUT = 60  # s, any one setup step (attach, mount, mkfs, ...)
+
+
+def log(msg):
+    print(f"bench: {msg}", flush=True, file=__import__("sys").stderr)
+
+
+class NodeError(Exception):
+    pass
+
+
+def run(cmd, timeout=STEP_TIMEOUT, check=True):
+    try:
+        p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True,
+                           timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        raise NodeError(f"{cmd[0]} timed out after {timeout} s") from e
+    if check and p.returncode != 0:
+        raise NodeError(f"{' '.join(map(str, cmd[:4]))}... exited {p.returncode}: "
+                        f"{(p.stderr.strip() or p.stdout.strip())[-400:]}")
+    return p.stdout
+
+
+def proc_cpu_s(pid):
+    """User + system seconds of a live process (all its threads)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def tree_cpu_s(pid):
+    """proc_cpu_s of a process and all its live descendants: `rbdkit
+    fuse-mapper` is a supervisor whose worker child serves the I/O."""
+    children = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int(Path(d, "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d.name))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += proc_cpu_s(p)
+        todo += children.get(p, [])
+    return total
+
+
+def wait_until(cond, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise NodeError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def admin_key(conf):
+    """client.admin's key from the test cluster's keyring (it travels only
+    over the mapper's 0600 socket, never in argv, env or a log)."""
+    text = Path(conf).read_text()
+    m = re.search(r"^\s*keyring\s*=\s*(\S+)", text, re.M)
+    keyring = Path(m.group(1)) if m else Path(conf).parent / "keyring"
+    section = None
+    for ln in keyring.read_text().splitlines():
+        ln = ln.strip()
+        if ln.startswith("["):
+            section = ln.strip("[]")
+        elif section == "client.admin" and ln.startswith("key"):
+            return ln.split("=", 1)[1].strip()
+    raise NodeError(f"no client.admin key in {keyring}")
+
+
+def mon_host(conf):
+    m = re.search(r"^\s*mon[ _]host\s*=\s*(\S+)", Path(conf).read_text(), re.M)
+    if not m:
+        raise NodeError(f"no mon host in {conf}")
+    return m.group(1)
+
+
+def fsync_path(path):
+    """One untimed flush through the whole stack: for a loop device it
+    becomes a FUSE FSYNC and then a librbd flush, which switches librbd's
+    cache from write-through to write-back (`rbd cache writethrough until
+    flush`), as `rbd bench` does at open."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------
+# The mapper daemon
+# --------------------------------------------------------------------------
+
+
+class Mapper:
+    """One `rbdkit fuse-mapper` for the whole group, as on a node; each
+    contender run attaches (opens the image) and detaches (closes it)."""
+
+    def __init__(self, binary, conf, workdir):
+        self.bin = binary
+        self.conf = conf
+        self.dir = Path(workdir)
+        self.sock = self.dir / "mapper.sock"
+        self.state = self.dir / "state"
+        self.logf = self.dir / "mapper.log"
+        self.p = None
+        self.key = admin_key(conf)
+        self.mon = mon_host(conf)
+
+    def start(self):
+        env = dict(os.environ, RUST_LOG="info")
+        env.pop("CEPH_ARGS", None)
+        with open(self.logf, "ab") as lf:
+            self.p = subprocess.Popen([str(self.bin), "fuse-mapper", "--socket", str(self.sock),
+                                       "--state-dir", str(self.state)],
+                                      stdin=subprocess.DEVNULL, stdout=lf, stderr=lf, env=env)
+
+        def up():
+            if self.p.poll() is not None:
+                raise NodeError(f"fuse-mapper exited {self.p.returncode}: "
+                                f"{self.logf.read_text()[-600:]}")
+            try:
+                return self.call({"op": "ping"}, timeout=2)["ok"]
+            except OSError:
+                return False
+        wait_until(up, 30, "fuse-mapper to answer ping")
+
+    def call(self, req, timeout=STEP_TIMEOUT):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(str(self.sock))
+            s.sendall(json.dumps(req).encode() + b"\n")
+            buf = b""
+            while not buf.endswith(b"\n"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                buf += chunk
+        if not buf:
+            raise NodeError(f"fuse-mapper closed the socket on {req['op']}")
+        return json.loads(buf)
+
+    def ok(self, req, timeout=STEP_TIMEOUT):
+        r = self.call(req, timeout)
+        if not r.get("ok"):
+            raise NodeError(f"fuse-mapper {req['op']}: {r.get('error')}")
+        return r
+
+    def attach(self, vol, pool, image):
+        r = self.ok({"op": "attach", "volume_id": vol, "monitors": [self.mon], "user": "admin",
+                     "key": self.key, "pool": pool, "image": image}, timeout=120)
+        return r["device"]
+
+    def detach(self, vol):
+        self.ok({"op": "detach", "volume_id": vol})
+
+    def cpu_s(self):
+        return tree_cpu_s(self.p.pid) if self.p else 0.0
+
+    def stop(self):
+        if not self.p:
+            return
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(15)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait(15)
+        self.p = None
+        # Whatever a failed run left: its loop devices, then its mount.
+        mnt = self.state / "mnt"
+        for dev, back in loop_devices():
+            if back.startswith(str(mnt)):
+                run(["losetup", "-d", dev], check=False)
+        run(["umount", "-l", mnt], check=False)
+
+
+def loop_devices():
+    out = run(["losetup", "-l", "-n", "-O", "NAME,BACK-FILE"], check=False)
+    rows = []
+    for ln in out.splitlines():
+        parts = ln.split(None, 1)
+        if len(parts) == 2:
+            rows.append((parts[0], parts[1].strip()))
+    return rows
+
+
+# --------------------------------------------------------------------------
+# fio
+# --------------------------------------------------------------------------
+
+
+def fio(target, workload, bs, qd, ops, size):
+    """One fio run; returns (parsed result, the fio job's CPU seconds)."""
+    rw = {"randwrite": "randwrite", "randread": "randread", "seqwrite": "write",
+          "seqread": "read"}[workload]
+    cmd = ["fio", "--name=node", f"--filename={target}", "--direct=1", "--ioengine=libaio",
+           f"--iodepth={qd}", f"--rw={rw}", f"--bs={bs}", f"--size={size}",
+           f"--io_size={bs * ops}", "--norandommap", "--randrepeat=0", "--allow_file_create=0",
+           "--fallocate=none", "--output-format=json"]
+    if workload.endswith("write"):
+        cmd.append("--end_fsync=1")  # the final flush is timed, as in rbd bench
+    with tempfile.TemporaryFile() as fo, tempfile.TemporaryFile() as fe:
+        p = subprocess.Popen(cmd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + FIO_TIMEOUT
+        while True:
+            pid, status, _ = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                p.kill()
+                os.wait4(p.pid, 0)
+                raise NodeError(f"fio on {target} timed out after {FIO_TIMEOUT} s")
+            time.sleep(0.02)
+        fo.seek(0)
+        fe.seek(0)
+        out, err = fo.read().decode(errors="replace"), fe.read().decode(errors="replace")
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise NodeError(f"fio on {target} exited {code}: {(err.strip() or out.strip())[-400:]}")
+    j = json.loads(out[out.index("{"):])
+    job = j["jobs"][0]
+    side = job["write" if workload.endswith("write") else "read"]
+    if job.get("error"):
+        raise NodeError(f"fio on {target}: error {job['error']}")
+    ops_done = side["total_ios"]
+    # job_runtime covers the whole job, the end_fsync included.
+    runtime_s = (job.get("job_runtime") or side["runtime"]) / 1e3
+    # The job's own CPU (fio reports it as a share of the job's runtime),
+    # not fio's start-up, which would swamp short runs.
+    cpu_s = (job["usr_cpu"] + job["sys_cpu"]) / 100 * runtime_s
+    return {"ops": ops_done, "iops": ops_done / runtime_s, "runtime_s": runtime_s,
+            "lat_mean_us": side["clat_ns"]["mean"] / 1e3,
+            "lat_p99_us": side["clat_ns"].get("percentile", {}).get("99.000000", 0) / 1e3,
+            }, cpu_s
+
+
+# --------------------------------------------------------------------------
+# The group
+# --------------------------------------------------------------------------
+
+
+def wl_key(wl):
+    workload, bs, qd, _ = wl
+    size = f"{bs // MiB}M" if bs >= MiB else f"{bs // KiB}K"
+    return f"{workload} {size} qd{qd}"
+
+
+class Node:
+    def __init__(self, c, cfg, rbdkit_bin, tag, pool):
+        self.c = c  # driver.Contenders: cluster, rbd bench, measured()
+        self.cfg = cfg
+        self.pool = pool
+        self.raw = f"node-raw-{tag}"
+        self.fsimg = f"node-fs-{tag}"
+        self.size = cfg["node_image_bytes"]
+        self.fs_file_bytes = self.size * 3 // 4
+        self.work = Path(tempfile.mkdtemp(prefix="rbdkit-bench-node."))
+        self.fsmnt = self.work / "ext4"
+        self.rfmnt = self.work / "rbd-fuse"
+        self.fsmnt.mkdir()
+        self.rfmnt.mkdir()
+        self.mapper = Mapper(rbdkit_bin, c.cl.conf, self.work)
+
+    # -- setup -------------------------------------------------------------
+
+    def setup(self):
+        c, pool = self.c, self.pool
+        for img in (self.raw, self.fsimg):
+            c.cl.rbd("create", "--size", f"{self.size // MiB}M", f"{pool}/{img}")
+        log(f"node: prefilling {self.raw} ({self.size // MiB} MiB)")
+        c.cl.rbd("bench", "--io-type", "write", "--io-size", str(4 * MiB), "--io-threads", "16",
+                 "--io-total", str(self.size), "--io-pattern", "seq", f"{pool}/{self.raw}")
+        self.mapper.start()
+        log(f"node: ext4 on {self.fsimg}, one {self.fs_file_bytes // MiB} MiB file written "
+            "through (no unwritten extents)")
+        dev = self.mapper.attach("bench-fs", pool, self.fsimg)
+        try:
+            # Initialise inode tables and journal now, not in a background
+            # thread during the runs.
+            run(["mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0,nodiscard",
+                 dev], timeout=120)
+            run(["mount", "-t", "ext4", dev, self.fsmnt])
+            try:
+                f = self.fsmnt / "bench.dat"
+                run(["fio", "--name=fill", f"--filename={f}", "--direct=1", "--ioengine=libaio",
+                     "--iodepth=16", "--rw=write", f"--bs={4 * MiB}",
+                     f"--size={self.fs_file_bytes}", "--fallocate=none", "--end_fsync=1"],
+                    timeout=FIO_TIMEOUT)
+            finally:
+                run(["umount", self.fsmnt])
+        finally:
+            self.mapper.detach("bench-fs")
+
+    def teardown(self):
+        for mnt in (self.fsmnt, self.rfmnt):
+            if os.path.ismount(mnt):
+                run(["umount", "-l", mnt], check=False)
+        self.mapper.stop()
+        for img in (self.raw, self.fsimg):
+            try:
+                self.c.cl.rbd("rm", "--no-progress", f"{self.pool}/{img}")
+            except Exception:  # noqa: BLE001 - the cluster goes away anyway
+                pass
+        subprocess.run(["rm", "-rf", str(self.work)], check=False)
+
+    # -- contenders ----------------------------------------------------------
+
+    def mapper_block(self, wl):
+        workload, bs, qd, ops = wl
+        dev = self.mapper.attach("bench-raw", self.pool, self.raw)
+        try:
+            fsync_path(dev)
+            cpu0 = self.mapper.cpu_s()
+            res, fio_cpu = fio(dev, workload, bs, qd, ops, self.size)
+            res["server_cpu_s"] = self.mapper.cpu_s() - cpu0
+        finally:
+            self.mapper.detach("bench-raw")
+        res["fio_cpu_s"] = fio_cpu
+        return res
+
+    def mapper_fs(self, wl):
+        workload, bs, qd, ops = wl
+        dev = self.mapper.attach("bench-fs", self.pool, self.fsimg)
+        try:
+            run(["mount", "-t", "ext4", "-o", "noatime", dev, self.fsmnt])
+            try:
+                f = self.fsmnt / "bench.dat"
+                fsync_path(f)
+                cpu0 = self.mapper.cpu_s()
+                res, fio_cpu = fio(f, workload, bs, qd, ops, self.fs_file_bytes)
+                res["server_cpu_s"] = self.mapper.cpu_s() - cpu0
+            finally:
+                run(["umount", self.fsmnt])
+        finally:
+            self.mapper.detach("bench-fs")
+        res["fio_cpu_s"] = fio_cpu
+        return res
+
+    def rbd_fuse(self, wl):
+        workload, bs, qd, ops = wl
+        env = dict(os.environ)
+        env.pop("CEPH_ARGS", None)
+        with open(self.work / "rbd-fuse.log", "ab") as lf:
+            p = subprocess.Popen(["rbd-fuse", "-f", "-c", self.c.cl.conf, "-p", self.pool,
+                                  "-r", self.raw, str(self.rfmnt)],
+                                 stdin=subprocess.DEVNULL, stdout=lf, stderr=lf, env=env)
+        f = self.rfmnt / self.raw
+        dev = None
+        try:
+            def up():
+                if p.poll() is not None:
+                    raise NodeError(f"rbd-fuse exited {p.returncode}: "
+                                    f"{(self.work / 'rbd-fuse.log').read_text()[-400:]}")
+                return os.path.ismount(self.rfmnt) and f.exists()
+            wait_until(up, 30, f"rbd-fuse to show {f}")
+            dev = run(["losetup", "-f", "--show", "--direct-io=on", f]).strip()
+            fsync_path(dev)
+            cpu0 = proc_cpu_s(p.pid)
+            res, fio_cpu = fio(dev, workload, bs, qd, ops, self.size)
+            res["server_cpu_s"] = proc_cpu_s(p.pid) - cpu0
+            res["fio_cpu_s"] = fio_cpu
+        finally:
+            if dev:
+                run(["losetup", "-d", dev], check=False)
+                # The unbind completes asynchronously; let go of the file first.
+                try:
+                    wait_until(lambda: all(d != dev for d, _ in loop_devices()), 10,
+                               f"{dev} to unbind")
+                except NodeError:
+                    pass
+            if os.path.ismount(self.rfmnt):
+                run(["umount", self.rfmnt], check=False)
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(15)
+        return res
+
+    def one(self, who, wl):
+        workload, bs, qd, ops = wl
+        if who == "rbd-bench":
+            out = self.c.rbd_bench(self.raw, workload, bs, qd, ops)
+            out["fio_cpu_s"] = out["cpu_s"]
+            out["server_cpu_s"] = 0.0
+            return out
+        return {"mapper-block": self.mapper_block, "mapper-fs": self.mapper_fs,
+                "rbd-fuse": self.rbd_fuse}[who](wl)
+
+
+def section_node(c, cfg, errors, tag, rbdkit_bin, pool, rotate, settle):
+    node = Node(c, cfg, rbdkit_bin, tag, pool)
+    rounds = []
+    try:
+        node.setup()
+        for r in range(cfg["node_rounds"]):
+            res = {}
+            for wl in cfg["node_workloads"]:
+                for w in rotate(CONTENDERS, r):
+                    key = f"{w}|{wl_key(wl)}"
+                    log(f"node round {r + 1}/{cfg['node_rounds']}: {wl_key(wl)}: {w}")
+                    settle()
+                    try:
+                        res[key] = c.measured(lambda: node.one(w, wl))
+                    except Exception as e:  # noqa: BLE001 - NodeError, the driver's RunError, OSError
+                        errors.append(f"node/{w}/{wl_key(wl)}: {e}")
+                        res[key] = {"error": str(e)}
+            rounds.append(res)
+    except (NodeError, OSError) as e:
+        errors.append(f"node/setup: {e}")
+    finally:
+        node.teardown()
+    return {"contenders": CONTENDERS, "workloads": [wl_key(w) for w in cfg["node_workloads"]],
+            "image_bytes": node.size, "fs_file_bytes": node.fs_file_bytes, "rounds": rounds}
+
+
+# --------------------------------------------------------------------------
+# Summary and report
+# --------------------------------------------------------------------------
+
+
+def summarize(node, spread, med, target):
+    per, ratios, targets = {}, {}, []
+    for wk in node["workloads"]:
+        for w in node["contenders"]:
+            ok = [rd[f"{w}|{wk}"] for rd in node["rounds"] if "iops" in rd.get(f"{w}|{wk}", {})]
+            if ok:
+                bs = int(re.search(r" (\d+)([KM]) ", wk).group(1)) * \
+                    (MiB if re.search(r" \d+M ", wk) else KiB)
+                per[f"{w}|{wk}"] = {
+                    "iops": spread([o["iops"] for o in ok]),
+                    "mib_s": med([o["iops"] * bs / MiB for o in ok]),
+                    "fio_cpu_us_per_op": med([o["fio_cpu_s"] * 1e6 / o["ops"] for o in ok]),
+                    "server_cpu_us_per_op": med([o["server_cpu_s"] * 1e6 / o["ops"] for o in ok]),
+                    "cluster_cpu_us_per_op": med([o["cluster_cpu_s"] * 1e6 / o["ops"]
+                                                  for o in ok]),
+                    "lat_mean_us": med([o["lat_mean_us"] for o in ok if "lat_mean_us" in o]),
+                }
+
+        def ratio(a, b):
+            vals = []
+            for rd in node["rounds"]:
+                x, y = rd.get(f"{a}|{wk}", {}), rd.get(f"{b}|{wk}", {})
+                if "iops" in x and "iops" in y:
+                    vals.append(x["iops"] / y["iops"])
+            return spread(vals)
+
+        for w in ["mapper-block", "mapper-fs", "rbd-fuse"]:
+            ratios[f"{w} / rbd-bench|{wk}"] = ratio(w, "rbd-bench")
+        ratios[f"mapper-block / rbd-fuse|{wk}"] = ratio("mapper-block", "rbd-fuse")
+        ratios[f"mapper-fs / rbd-fuse|{wk}"] = ratio("mapper-fs", "rbd-fuse")
+    for wk in node["workloads"]:
+        goal = GOALS["rand" if wk.startswith("rand") else "seq"]
+        targets.append(target(f"node {wk}: mapper block vs rbd bench",
+                              ratios.get(f"mapper-block / rbd-bench|{wk}"), goal, "node-ceiling"))
+        targets.append(target(f"node {wk}: mapper ext4 file vs rbd bench",
+                              ratios.get(f"mapper-fs / rbd-bench|{wk}"), goal, "node-ceiling-fs"))
+        targets.append(target(f"node {wk}: mapper block vs rbd-fuse",
+                              ratios.get(f"mapper-block / rbd-fuse|{wk}"), 1.0, "node-rbd-fuse",
+                              strict=True))
+    return {"per": per, "ratios": ratios}, targets
+
+
+def render(results, summary, cfg, fmt_ratio, fmt_num):
+    node = results.get("node")
+    s = summary.get("node")
+    if not node or not s:
+        return []
+    L = []
+    L.append("## 4. Node data path: fio through the userspace mapper")
+    L.append("")
+    L.append(f"One {node['image_bytes'] // MiB} MiB image, prefilled once with `rbd bench`, "
+             "shared by `rbd bench`, the mapper's block device and `rbd-fuse`; the ext4 case "
+             f"uses a second image of the same size holding one fully written "
+             f"{node['fs_file_bytes'] // MiB} MiB file. fio 3.33 with `--direct=1 "
+             "--ioengine=libaio` (writes with `--end_fsync=1`, timed) on: *mapper, block*: "
+             "`/dev/loopN` of `rbdkit fuse-mapper` (attach, one untimed fsync, fio, detach); "
+             "*mapper, ext4 file*: a file in ext4 mounted on that device; *rbd-fuse + loop*: "
+             "`rbd-fuse` (Ceph 16.2, libfuse 2, as shipped) with `losetup --direct-io=on` on its "
+             "image file. The untimed fsync switches librbd's cache to write-back, as `rbd bench` "
+             f"does at open. {cfg['node_rounds']} rounds, contenders interleaved. Columns: "
+             "throughput over `rbd bench`'s in the same round, median (min–max).")
+    L.append("")
+    L.append("| workload | rbd bench IOPS (MiB/s) | mapper, block | mapper, ext4 file | "
+             "rbd-fuse + loop | mapper block / rbd-fuse |")
+    L.append("|---|---|---|---|---|---|")
+    r = s["ratios"]
+    for wk in node["workloads"]:
+        ref = s["per"].get(f"rbd-bench|{wk}")
+        refs = f"{fmt_num(ref['iops']['median'], 0)} ({fmt_num(ref['mib_s'])})" if ref \
+            else "failed"
+        L.append(f"| {wk} | {refs} | {fmt_ratio(r.get(f'mapper-block / rbd-bench|{wk}'))} | "
+                 f"{fmt_ratio(r.get(f'mapper-fs / rbd-bench|{wk}'))} | "
+                 f"{fmt_ratio(r.get(f'rbd-fuse / rbd-bench|{wk}'))} | "
+                 f"{fmt_ratio(r.get(f'mapper-block / rbd-fuse|{wk}'))} |")
+    L.append("")
+    L.append("Absolute medians of this run (IOPS, MiB/s, fio's mean completion latency):")
+    L.append("")
+    L.append("| workload | " + " | ".join(NAMES[w] for w in node["contenders"]) + " |")
+    L.append("|---|" + "---|" * len(node["contenders"]))
+    for wk in node["workloads"]:
+        cells = []
+        for w in node["contenders"]:
+            p = s["per"].get(f"{w}|{wk}")
+            if not p:
+                cells.append("–")
+                continue
+            lat = f", {fmt_num(p['lat_mean_us'])} µs" if p.get("lat_mean_us") else ""
+            cells.append(f"{fmt_num(p['iops']['median'], 0)} ({fmt_num(p['mib_s'])}{lat})")
+        L.append(f"| {wk} | " + " | ".join(cells) + " |")
+    L.append("")
+    L.append("CPU µs per op, medians: the fio job (for `rbd bench`: the whole process) / the userspace "
+             "server (`rbdkit fuse-mapper` with its worker process, or `rbd-fuse`; all threads) / the cluster's daemons. "
+             "Kernel work in the loop and FUSE layers that runs in kernel threads is in none of "
+             "them.")
+    L.append("")
+    L.append("| workload | " + " | ".join(NAMES[w] for w in node["contenders"]) + " |")
+    L.append("|---|" + "---|" * len(node["contenders"]))
+    for wk in node["workloads"]:
+        cells = []
+        for w in node["contenders"]:
+            p = s["per"].get(f"{w}|{wk}")
+            cells.append("–" if not p else
+                         f"{fmt_num(p['fio_cpu_us_per_op'])} / "
+                         f"{fmt_num(p['server_cpu_us_per_op'])} / "
+                         f"{fmt_num(p['cluster_cpu_us_per_op'])}")
+        L.append(f"| {wk} | " + " | ".join(cells) + " |")
+    L.append("")
+    return L
