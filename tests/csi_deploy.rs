@@ -168,7 +168,13 @@ fn node_daemonset_gives_the_node_plugin_what_it_needs() {
     let driver: CSIDriver = one(&docs, "CSIDriver");
     let driver_name = driver.metadata.name.unwrap();
     let ds: DaemonSet = one(&docs, "DaemonSet");
-    let pod = ds.spec.unwrap().template.spec.unwrap();
+    let ds_spec = ds.spec.unwrap();
+    // Replacing the pod ends the rbdkit-fuse mappings: only after a drain.
+    assert_eq!(
+        ds_spec.update_strategy.and_then(|u| u.type_).as_deref(),
+        Some("OnDelete")
+    );
+    let pod = ds_spec.template.spec.unwrap();
     assert_eq!(pod.containers.len(), 3);
     assert_eq!(
         pod.automount_service_account_token,
