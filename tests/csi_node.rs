@@ -424,8 +424,14 @@ async fn a_second_node_cannot_stage_a_volume_read_write() {
     let p = paths(&env, "r");
     stage(&env, &id, &p, mount_cap("ext4")).await;
 
-    let node_b =
-        CsiEnv::with_ns(env.rbd.clone(), env.cluster_id.clone(), Mode::All, "node-b").await;
+    let node_b = CsiEnv::with_ns(
+        env.rbd.clone(),
+        env.cluster_id.clone(),
+        Mode::All,
+        "node-b",
+        &[],
+    )
+    .await;
     let pb = paths(&node_b, "r");
     let e = node_b
         .node()

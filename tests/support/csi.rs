@@ -155,8 +155,7 @@ impl CsiEnv {
     pub async fn new(test: &str, mode: Mode) -> CsiEnv {
         let rbd = Arc::new(TestNs::new(test));
         let cluster_id = unique(test);
-        let env = CsiEnv::with_ns(rbd, cluster_id, mode, "node-a").await;
-        env
+        CsiEnv::with_ns(rbd, cluster_id, mode, "node-a", &[]).await
     }
 
     /// Starts a world on an existing namespace and clusterID (a second node
@@ -166,6 +165,7 @@ impl CsiEnv {
         cluster_id: String,
         mode: Mode,
         node_id: &str,
+        extra_args: &[&str],
     ) -> CsiEnv {
         let ceph = TestCluster::get();
         // Under /tmp, not the target dir: unix socket paths are short.
@@ -196,32 +196,34 @@ impl CsiEnv {
             )
         });
         let socket = dir.path().join("csi.sock");
+        let mut args: Vec<String> = vec![
+            "csi".into(),
+            "--endpoint".into(),
+            format!("unix://{}", socket.display()),
+            "--node-id".into(),
+            node_id.into(),
+            "--mode".into(),
+            if mode == Mode::All {
+                "all"
+            } else {
+                "controller"
+            }
+            .into(),
+            "--clusters-config".into(),
+            config_path.display().to_string(),
+            "--mapper-socket".into(),
+            mapper_sock.display().to_string(),
+            "--state-dir".into(),
+            dir.path().join("csi-state").display().to_string(),
+            "--default-mapper".into(),
+            "rbdkit-fuse".into(),
+            "--topology".into(),
+            format!("topology.rbd.rbdkit.io/node={node_id}"),
+        ];
+        args.extend(extra_args.iter().map(|a| a.to_string()));
         let csi = Daemon::spawn(
             &format!("rbdkit csi {node_id}"),
-            vec![
-                "csi".into(),
-                "--endpoint".into(),
-                format!("unix://{}", socket.display()),
-                "--node-id".into(),
-                node_id.into(),
-                "--mode".into(),
-                if mode == Mode::All {
-                    "all"
-                } else {
-                    "controller"
-                }
-                .into(),
-                "--clusters-config".into(),
-                config_path.display().to_string(),
-                "--mapper-socket".into(),
-                mapper_sock.display().to_string(),
-                "--state-dir".into(),
-                dir.path().join("csi-state").display().to_string(),
-                "--default-mapper".into(),
-                "rbdkit-fuse".into(),
-                "--topology".into(),
-                format!("topology.rbd.rbdkit.io/node={node_id}"),
-            ],
+            args,
             dir.path().join("csi.log"),
         );
         CsiEnv {
