@@ -1,13 +1,16 @@
 //! The CSI deploy manifests (`deploy/csidriver.yaml`, `deploy/node-daemonset.yaml`):
-//! the DaemonSet gives the node plugin the socket, mounts and propagation it
-//! needs and agrees with the CSIDriver, the ConfigMap and the provisioner's
-//! image; and every manifest under deploy/ passes a server-side dry run
+//! the DaemonSet's containers' args parse with the real `rbdkit csi` and
+//! `rbdkit fuse-mapper` parsers; it gives the node plugin the socket, mounts
+//! and propagation it needs and agrees with the CSIDriver, the ConfigMap and
+//! the provisioner's image; and every manifest under deploy/ passes a server-side dry run
 //! against the real test API server.
 #![cfg(feature = "service")]
 
 mod support;
 
 use std::path::{Path, PathBuf};
+
+use clap::Parser;
 
 use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{ConfigMap, Container, PodSpec, Volume, VolumeMount};
@@ -18,7 +21,34 @@ use kube::Api;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
+use rbdkit::csi::{CsiArgs, Mode};
+use rbdkit::node::fuse_daemon::FuseMapperArgs;
 use support::k8s::ControlPlane;
+
+#[derive(Parser)]
+struct CsiOnly {
+    #[command(flatten)]
+    args: CsiArgs,
+}
+
+#[derive(Parser)]
+struct MapperOnly {
+    #[command(flatten)]
+    args: FuseMapperArgs,
+}
+
+/// A container's args after the subcommand `sub`, through the binary's own
+/// parser `P`: an unknown flag or a bad value fails here.
+fn parse_args<P: Parser>(c: &Container, sub: &str) -> P {
+    let argv = c.args.as_deref().unwrap_or_default();
+    assert_eq!(argv.first().map(String::as_str), Some(sub), "{}", c.name);
+    P::try_parse_from(std::iter::once("rbdkit".to_owned()).chain(argv[1..].iter().cloned()))
+        .unwrap_or_else(|e| panic!("{}: args {argv:?}: {e}", c.name))
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
 
 fn deploy_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy")
@@ -138,7 +168,13 @@ fn node_daemonset_gives_the_node_plugin_what_it_needs() {
     let driver: CSIDriver = one(&docs, "CSIDriver");
     let driver_name = driver.metadata.name.unwrap();
     let ds: DaemonSet = one(&docs, "DaemonSet");
-    let pod = ds.spec.unwrap().template.spec.unwrap();
+    let ds_spec = ds.spec.unwrap();
+    // Replacing the pod ends the rbdkit-fuse mappings: only after a drain.
+    assert_eq!(
+        ds_spec.update_strategy.and_then(|u| u.type_).as_deref(),
+        Some("OnDelete")
+    );
+    let pod = ds_spec.template.spec.unwrap();
     assert_eq!(pod.containers.len(), 3);
     assert_eq!(
         pod.automount_service_account_token,
@@ -162,18 +198,31 @@ fn node_daemonset_gives_the_node_plugin_what_it_needs() {
     let (_, reg_vol) = mount_at(&pod, registrar, "/registration");
     assert_eq!(host_path(reg_vol), "/var/lib/kubelet/plugins_registry");
 
-    // The CSI node service.
-    let argv = csi.args.as_deref().unwrap();
-    assert_eq!(argv[0], "csi");
-    assert_eq!(flag(csi, "--mode"), "node");
-    assert_eq!(flag(csi, "--driver-name"), driver_name);
-    assert_eq!(flag(csi, "--endpoint"), format!("unix://{csi_address}"));
+    // The CSI node service, its args as `rbdkit csi` parses them.
+    let args = parse_args::<CsiOnly>(csi, "csi").args;
+    assert_eq!(args.mode, Mode::Node);
+    assert_eq!(args.driver_name, driver_name);
+    assert_eq!(
+        rbdkit::csi::socket_path(&args.endpoint).unwrap(),
+        Path::new(csi_address)
+    );
     let (_, v) = mount_at(&pod, csi, parent(csi_address));
     assert_eq!(
         v.name, socket_vol.name,
         "registrar and driver share the socket"
     );
-    assert_eq!(flag(csi, "--node-id"), "$(NODE_NAME)");
+    // kubelet expands $(NODE_NAME) from the env below.
+    assert_eq!(args.node_id, "$(NODE_NAME)");
+    assert_eq!(
+        args.default_mapper, None,
+        "krbd where /sys/bus/rbd exists, else rbdkit-fuse"
+    );
+    let (_, v) = mount_at(&pod, csi, "/sys");
+    assert_eq!(host_path(v), "/sys");
+    assert_eq!(args.sysfs_root, Path::new("/sys"));
+    // The index of staged volumes outlives the container.
+    let (_, v) = mount_at(&pod, csi, parent(path_str(&args.state_dir)));
+    assert_eq!(host_path(v), parent(path_str(&args.state_dir)));
     let node_name = csi
         .env
         .as_deref()
@@ -192,7 +241,7 @@ fn node_daemonset_gives_the_node_plugin_what_it_needs() {
     let (_, v) = mount_at(&pod, csi, "/dev");
     assert_eq!(host_path(v), "/dev");
     // The clusters config comes from the ConfigMap.
-    let config_path = flag(csi, "--clusters-config");
+    let config_path = path_str(&args.clusters_config);
     let (m, v) = mount_at(&pod, csi, parent(config_path));
     assert_eq!(m.read_only, Some(true));
     let configmap: ConfigMap = one(&docs, "ConfigMap");
@@ -209,16 +258,21 @@ fn node_daemonset_gives_the_node_plugin_what_it_needs() {
 
     // The mapper: a container of its own, reached over a socket in a dir
     // both containers mount from the host.
-    assert_eq!(mapper.args.as_deref().unwrap()[0], "fuse-mapper");
-    let mapper_socket = flag(csi, "--mapper-socket");
-    assert_eq!(flag(mapper, "--socket"), mapper_socket);
+    let margs = parse_args::<MapperOnly>(mapper, "fuse-mapper").args;
+    assert!(
+        !margs.no_supervisor,
+        "the supervisor keeps mounts alive across worker restarts"
+    );
+    assert!(!margs.worker);
+    let mapper_socket = path_str(&args.mapper_socket);
+    assert_eq!(margs.socket, args.mapper_socket);
     let (_, a) = mount_at(&pod, csi, parent(mapper_socket));
     let (_, b) = mount_at(&pod, mapper, parent(mapper_socket));
     assert_eq!(a.name, b.name);
     assert!(host_path(a).starts_with('/'));
     // Its FUSE mounts (under the state dir) back the loop devices on the
     // host, so they must propagate there.
-    let state_dir = flag(mapper, "--state-dir");
+    let state_dir = path_str(&margs.state_dir);
     let (m, v) = mount_at(&pod, mapper, parent(state_dir));
     assert_eq!(host_path(v), parent(state_dir));
     assert_eq!(m.mount_propagation.as_deref(), Some("Bidirectional"));
