@@ -485,6 +485,7 @@ async fn stats_report_a_dead_mapper_as_abnormal() {
     // The restarted mapper knows the volume but reports it unhealthy until
     // it is staged again; unpublish and unstage still clean up.
     env.mapper.as_mut().unwrap().restart();
+    env.wait_mapper();
     let after = env
         .node()
         .await

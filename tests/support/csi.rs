@@ -226,7 +226,7 @@ impl CsiEnv {
             args,
             dir.path().join("csi.log"),
         );
-        CsiEnv {
+        let env = CsiEnv {
             rbd,
             cluster_id,
             dir,
@@ -234,6 +234,20 @@ impl CsiEnv {
             csi,
             socket,
             node_id: node_id.to_owned(),
+        };
+        if mode == Mode::All {
+            env.wait_mapper();
+        }
+        env
+    }
+
+    /// Waits (at most 30 s) until the mapper daemon answers on its socket.
+    pub fn wait_mapper(&self) {
+        let m = rbdkit::node::fuse::FuseMapper::new(self.dir.path().join("mapper.sock"));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while let Err(e) = m.ping() {
+            assert!(Instant::now() < deadline, "the mapper never answered: {e}");
+            std::thread::sleep(Duration::from_millis(50));
         }
     }
 
