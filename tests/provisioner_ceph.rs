@@ -304,3 +304,39 @@ async fn reaping_shuts_connections_down_outside_the_cache_lock() {
         "reap held the cache for {took:?} (rados_shutdown under the lock?)"
     );
 }
+
+#[test]
+fn a_temporary_image_with_a_partial_owner_record_is_cleaned_up() {
+    let ns = TestNs::new("partial");
+    let m = metrics();
+    let c = cluster();
+    let vol = VolumeId {
+        cluster_id: "test".into(),
+        pool: POOL.into(),
+        rados_namespace: ns.name.clone(),
+        image: "pvc-3".into(),
+    };
+    let opts = ImageOptions::new();
+    // A kill -9 between two metadata writes: only the first key is there.
+    let temp = format!("pvc-3{TEMP_SUFFIX}");
+    rbd::create(&ns.ioctx, &temp, 4 << 20, &opts).unwrap();
+    let img = Image::open(&ns.ioctx, &temp).unwrap();
+    img.metadata_set("rbdkit.provisioner", "p.rbdkit.test")
+        .unwrap();
+    drop(img);
+    assert_eq!(
+        delete_image(&c, &m, &vol, "p.rbdkit.test", "pvc-3").unwrap(),
+        Deleted::Removed
+    );
+    assert!(rbd::list_names(&ns.ioctx).unwrap().is_empty());
+
+    // One whose partial record names another provisioner stays.
+    rbd::create(&ns.ioctx, &temp, 4 << 20, &opts).unwrap();
+    let img = Image::open(&ns.ioctx, &temp).unwrap();
+    img.metadata_set("rbdkit.provisioner", "someone.else")
+        .unwrap();
+    drop(img);
+    let e = delete_image(&c, &m, &vol, "p.rbdkit.test", "pvc-3").unwrap_err();
+    assert!(matches!(e, VolumeError::NotOwned { .. }), "{e}");
+    assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec![temp]);
+}

@@ -322,7 +322,7 @@ pub fn delete_image(
             // so it can only be ours.
             Err(VolumeError::NotOwned { .. }) if name == temp => {
                 let meta = timed(metrics, "metadata_list", || image.metadata_list())?;
-                if meta.keys().any(|k| k.starts_with("rbdkit.")) {
+                if contradicts(&meta, provisioner, Some(pv_name)) {
                     return Err(VolumeError::NotOwned {
                         image: name.to_owned(),
                         why: "its owner metadata names someone else".into(),
@@ -452,6 +452,14 @@ pub fn owner_metadata(image: &Image) -> crate::Result<BTreeMap<String, String>> 
         .collect())
 }
 
+/// Whether a temporary image's (possibly partial) owner record names
+/// another provisioner or PV. A kill -9 between two `metadata_set` calls
+/// leaves only some keys; what is there still has to agree with us.
+fn contradicts(meta: &BTreeMap<String, String>, provisioner: &str, pv_name: Option<&str>) -> bool {
+    meta.get(META_PROVISIONER).is_some_and(|p| p != provisioner)
+        || pv_name.is_some_and(|pv| meta.get(META_PV).is_some_and(|p| p != pv))
+}
+
 /// The PV name recorded in the owner metadata of the image of `vol` (or of
 /// its temporary image, or of a trash entry with its name), for callers
 /// that have only the volume handle (CSI `DeleteVolume`,
@@ -489,7 +497,7 @@ pub fn recorded_pv_name(
             Ok(pv) => Ok(Some(pv)),
             Err(VolumeError::NotOwned { .. }) => {
                 let meta = timed(metrics, "metadata_list", || image.metadata_list())?;
-                if meta.keys().any(|k| k.starts_with("rbdkit.")) {
+                if contradicts(&meta, provisioner, None) {
                     Err(VolumeError::NotOwned {
                         image: temp,
                         why: "its owner metadata names someone else".into(),
