@@ -908,7 +908,9 @@ fn map_options_set_up_the_device_and_librbd() {
     drop(f);
     assert!(d.mapper().status("vol-ro-opt").unwrap().unwrap().read_only);
 
-    d.mapper().unmap("vol-ro-opt", &[]).unwrap();
+    if let Err(e) = d.mapper().unmap("vol-ro-opt", &[]) {
+        panic!("{e}; openers of {}: {:?}", rodev.display(), openers(&rodev));
+    }
     d.mapper().unmap("vol-opts", &[]).unwrap();
 }
 
