@@ -1248,15 +1248,19 @@ fn break_dead_lock(image: &Image, old: &Record) {
 /// Sets up a freshly bound device: requests of at most 1 MiB
 /// (`max_sectors_kb`), so that each is one FUSE request (the loop driver's
 /// default of 1280 KiB splits a 4 MiB read into seven uneven ones), and the
-/// `queue_depth` option as `nr_requests`.
+/// `queue_depth` option (default: the most the driver allows) as
+/// `nr_requests`.
 fn tune_device(dev: &Path, opts: &FuseMapOptions) -> Result<()> {
     let kib = fk::MAX_WRITE / 1024;
     if let Err(e) = loopdev::set_queue_attr(dev, "max_sectors_kb", &kib.to_string()) {
         tracing::warn!(device = %dev.display(), error = %e, "cannot set max_sectors_kb");
     }
-    if let Some(n) = opts.queue_depth {
-        loopdev::set_queue_attr(dev, "nr_requests", &n.to_string())?;
-    }
+    // Always written: a loop device keeps its queue settings across binds,
+    // so a reused one would inherit the previous mapping's.
+    let n = opts
+        .queue_depth
+        .unwrap_or_else(crate::node::fuse::loop_hw_queue_depth);
+    loopdev::set_queue_attr(dev, "nr_requests", &n.to_string())?;
     Ok(())
 }
 
