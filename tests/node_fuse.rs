@@ -31,15 +31,22 @@ struct Daemon {
     child: Option<Child>,
     runs: u32,
     mounts: Vec<PathBuf>,
+    /// More daemon flags, for every (re)start.
+    flags: Vec<String>,
 }
 
 impl Daemon {
     fn start(dir: &Path) -> Daemon {
+        Daemon::start_with(dir, &[])
+    }
+
+    fn start_with(dir: &Path, flags: &[&str]) -> Daemon {
         let mut d = Daemon {
             dir: dir.to_path_buf(),
             child: None,
             runs: 0,
             mounts: Vec::new(),
+            flags: flags.iter().map(|f| f.to_string()).collect(),
         };
         d.spawn();
         d
@@ -77,6 +84,7 @@ impl Daemon {
             .arg(self.state_dir())
             .arg("--threads")
             .arg("3")
+            .args(&self.flags)
             .env("RUST_LOG", "debug")
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
@@ -824,4 +832,258 @@ fn worker_restart_clears_a_device_whose_attach_did_not_finish() {
     assert_ne!(file2, file);
     assert_eq!(loopdev::backing_file(&dev2), Some(file2));
     d.mapper().unmap("vol-half", &[]).unwrap();
+}
+
+fn queue_attr(dev: &Path, name: &str) -> String {
+    loopdev::queue_attr(dev, name).unwrap_or_else(|| panic!("{name} of {}", dev.display()))
+}
+
+#[test]
+fn map_options_set_up_the_device_and_librbd() {
+    let ns = TestNs::new("fuse-opts");
+    let tmp = tempdir("opts");
+    let d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    rbd::create(&ns.ioctx, "plain", 16 * MIB, &ImageOptions::new()).unwrap();
+    let mut s = spec(&ns, "vol-opts", "img");
+    s.options = [
+        "queue_depth=32",
+        "block_size=512",
+        "rbd_cache=false",
+        "rbd_readahead_max_bytes=0",
+    ]
+    .map(String::from)
+    .to_vec();
+    let dev = d.mapper().map(&s).unwrap();
+    assert_eq!(queue_attr(&dev, "nr_requests"), "32");
+    assert_eq!(queue_attr(&dev, "logical_block_size"), "512");
+    // Every device: at most one FUSE request (1 MiB) per block request.
+    assert_eq!(queue_attr(&dev, "max_sectors_kb"), "1024");
+    let st = d.mapper().status("vol-opts").unwrap().unwrap();
+    assert_eq!(
+        st.librbd,
+        vec![
+            ("rbd_cache".to_string(), "false".to_string()),
+            ("rbd_readahead_max_bytes".to_string(), "0".to_string())
+        ],
+        "{st:?}"
+    );
+    // A 512-byte write works on a 512-byte-sector device, and lands.
+    write_direct(&dev, 512, &[7u8; 512]);
+    {
+        let img = Image::open_read_only(&ns.ioctx, "img").unwrap();
+        let mut back = vec![0u8; 512];
+        img.read(512, &mut back).unwrap();
+        assert_eq!(back, vec![7u8; 512]);
+    }
+    // Without options: the kernel's queue depth, librbd's defaults.
+    let plain = d.mapper().map(&spec(&ns, "vol-plain", "plain")).unwrap();
+    assert_eq!(
+        queue_attr(&plain, "nr_requests"),
+        rbdkit::node::fuse::loop_hw_queue_depth().to_string()
+    );
+    assert_eq!(queue_attr(&plain, "logical_block_size"), "4096");
+    let st = d.mapper().status("vol-plain").unwrap().unwrap();
+    assert!(st.librbd.is_empty(), "{st:?}");
+
+    // Asking again with other options is refused, naming the mapping.
+    let mut other = s.clone();
+    other.options = vec!["queue_depth=16".into()];
+    let e = d.mapper().map(&other).unwrap_err();
+    assert_eq!(e.errno(), libc::EEXIST, "{e}");
+    // The same options: the same device.
+    assert_eq!(d.mapper().map(&s).unwrap(), dev);
+
+    // read_only as an option.
+    let mut ro = spec(&ns, "vol-ro-opt", "plain");
+    ro.options = vec!["ro".into()];
+    d.mapper().unmap("vol-plain", &[]).unwrap();
+    let rodev = d.mapper().map(&ro).unwrap();
+    let f = open_direct(&rodev, true);
+    let mut a = Aligned::new(4096);
+    let err = f
+        .write_all_at(a.get(), 0)
+        .expect_err("a write to a read_only mapping succeeded");
+    assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{err}");
+    drop(f);
+    assert!(d.mapper().status("vol-ro-opt").unwrap().unwrap().read_only);
+
+    if let Err(e) = d.mapper().unmap("vol-ro-opt", &[]) {
+        panic!("{e}; openers of {}: {:?}", rodev.display(), openers(&rodev));
+    }
+    d.mapper().unmap("vol-opts", &[]).unwrap();
+}
+
+#[test]
+fn bad_map_options_are_refused_naming_the_option() {
+    let ns = TestNs::new("fuse-badopts");
+    let tmp = tempdir("badopts");
+    let d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    let cases: &[(&str, &str)] = &[
+        ("bogus=1", "unknown option"),
+        ("lock_on_read", "unknown option"),
+        ("threads=4", "--threads"),
+        ("queue_depth=100000", "nr_requests"),
+        ("queue_depth=x", "whole number"),
+        ("block_size=4000", "512, 1024, 2048 or 4096"),
+        ("rbd_cache=maybe", "true or false"),
+        ("rbd_cache_policy=fast", "writeback"),
+        ("rbd_cache", "needs a value"),
+        ("read_only=yes", "takes no value"),
+        // A librados setting that is not a cache knob is not let through.
+        ("mon_host=10.0.0.1", "unknown option"),
+    ];
+    for (opt, why) in cases {
+        let mut s = spec(&ns, "vol-bad", "img");
+        s.options = vec![(*opt).into()];
+        // The mapper refuses it before asking the daemon...
+        let e = d.mapper().map(&s).unwrap_err();
+        assert_eq!(e.kind(), rbdkit::ErrorKind::InvalidArgument, "{opt}: {e}");
+        let msg = e.to_string();
+        assert!(msg.contains(opt) && msg.contains(why), "{opt}: {msg}");
+        // ...and so does the daemon, asked directly.
+        let r = d
+            .mapper()
+            .call(
+                &ControlRequest::Attach((&s).into()),
+                Duration::from_secs(30),
+            )
+            .unwrap();
+        assert!(!r.ok, "{opt}: {r:?}");
+        let msg = r.error.unwrap_or_default();
+        assert!(msg.contains(opt) && msg.contains(why), "{opt}: {msg}");
+        assert_eq!(r.errno, Some(libc::EINVAL), "{opt}");
+    }
+    assert!(d.mapper().list().unwrap().is_empty());
+    let e = d.mapper().unmap("vol-bad", &["lazy".into()]).unwrap_err();
+    assert!(e.to_string().contains("\"lazy\""), "{e}");
+}
+
+#[test]
+fn force_unmap_clears_a_busy_device() {
+    let ns = TestNs::new("fuse-force");
+    let tmp = tempdir("force");
+    let d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    let s = spec(&ns, "vol-force", "img");
+    let dev = d.mapper().map(&s).unwrap();
+    // Held exclusively, as a mounted filesystem holds it.
+    let held = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_EXCL | libc::O_DIRECT)
+        .open(&dev)
+        .unwrap();
+    let e = d.mapper().unmap("vol-force", &[]).unwrap_err();
+    assert_eq!(e.kind(), rbdkit::ErrorKind::Busy, "{e}");
+    assert!(d.mapper().status("vol-force").unwrap().unwrap().healthy);
+    d.mapper().unmap("vol-force", &["force".into()]).unwrap();
+    assert_eq!(d.mapper().status("vol-force").unwrap(), None);
+    // The holder's I/O fails from now on; the image is closed.
+    let mut a = Aligned::new(4096);
+    let err = held
+        .read_exact_at(a.get(), 0)
+        .expect_err("a forced-off device still served a read");
+    assert!(
+        matches!(
+            err.raw_os_error(),
+            Some(libc::EIO | libc::ENXIO | libc::EBADF)
+        ),
+        "{err}"
+    );
+    {
+        let img = Image::open(&ns.ioctx, "img").unwrap();
+        assert!(
+            img.watchers().unwrap().len() <= 1,
+            "the daemon still watches the image"
+        );
+    }
+    // On its last close the kernel unbinds the device.
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while loopdev::backing_file(&dev).is_some() {
+        assert!(Instant::now() < deadline, "{} still bound", dev.display());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A cephx user with the caps a node plugin's user has (ceph-csi's).
+fn node_user(name: &str) -> (String, Secret) {
+    let c = support::ceph::cluster();
+    let cmd = serde_json::json!({
+        "prefix": "auth get-or-create",
+        "entity": format!("client.{name}"),
+        "caps": ["mon", "profile rbd", "osd", format!("profile rbd pool={POOL}")],
+        "format": "json",
+    });
+    let r = c.mon_command(&cmd.to_string(), &[]).unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&r.output).unwrap();
+    let key = v[0]["key"].as_str().expect("key in auth output").to_owned();
+    (name.to_owned(), Secret::new(key))
+}
+
+#[test]
+fn blocklisting_ends_the_dead_clients_watches_at_once() {
+    let ns = TestNs::new("fuse-bl");
+    let tmp = tempdir("bl");
+    let mut d = Daemon::start_with(tmp.path(), &["--blocklist-dead-clients"]);
+    rbd::create(&ns.ioctx, "a", 16 * MIB, &ImageOptions::new()).unwrap();
+    rbd::create(&ns.ioctx, "b", 16 * MIB, &ImageOptions::new()).unwrap();
+    let (user, key) = node_user(&support::ceph::unique("fuse-node"));
+    let with_user = |vol: &str, img: &str| {
+        let mut s = spec(&ns, vol, img);
+        s.user = user.clone();
+        s.key = key.clone();
+        s
+    };
+    d.mapper().map(&with_user("vol-a", "a")).unwrap();
+    let a = Image::open_read_only(&ns.ioctx, "a").unwrap();
+    let before = a.watchers().unwrap();
+    assert_eq!(before.len(), 1, "{before:?}");
+
+    // Supervisor and worker die: nothing ends their watch...
+    d.kill9();
+    let killed = Instant::now();
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        a.watchers().unwrap(),
+        before,
+        "the dead daemon's watch went by itself"
+    );
+    // ...until the restarted daemon, given a key for that cluster by
+    // another volume's attach, blocklists the dead client.
+    d.spawn();
+    d.mapper().map(&with_user("vol-b", "b")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while a.watchers().unwrap().iter().any(|w| before.contains(w)) {
+        assert!(
+            Instant::now() < deadline,
+            "the dead watch is still there {:?} after the kill\n{}",
+            killed.elapsed(),
+            d.all_logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Well before osd_client_watch_timeout (30 s) would have ended it.
+    assert!(
+        killed.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        killed.elapsed()
+    );
+    assert!(d
+        .all_logs()
+        .contains("blocklisted the previous instance's client"));
+    // The blocklisted address was the dead one only: the live mapping works.
+    let b = d.mapper().status("vol-b").unwrap().unwrap();
+    assert!(b.healthy, "{b:?}");
+    let devb = PathBuf::from(b.device.unwrap());
+    write_direct(&devb, 0, &pattern(9, 4096));
+    assert_eq!(read_direct(&devb, 0, 4096).unwrap(), pattern(9, 4096));
+    // And the stale volume maps again at once.
+    let t = Instant::now();
+    d.mapper().map(&with_user("vol-a", "a")).unwrap();
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    drop(a);
+    d.mapper().unmap("vol-a", &[]).unwrap();
+    d.mapper().unmap("vol-b", &[]).unwrap();
 }

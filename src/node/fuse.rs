@@ -20,6 +20,82 @@
 //! loop device), `list`, `status`, `ping`. The cephx key travels only in an
 //! `attach` request: the daemon keeps it in memory for the connection and
 //! never logs it, puts it in argv or the environment, or writes it to disk.
+//!
+//! # Replacing the node pod (an upgrade), and draining a node first
+//! The one place this is stated; [`crate::node::fuse_daemon`] has the
+//! details of each case.
+//!
+//! The kernel's FUSE connection lives exactly as long as some process holds
+//! one of its `/dev/fuse` fds. Inside the daemon's container the supervisor
+//! holds them, so a worker crash or `kill -9` is survived (mounted
+//! filesystems keep working). Replacing the whole node pod (a DaemonSet
+//! rolling update, a node-plugin upgrade, `kubectl delete pod`) ends every
+//! process of the container, so:
+//! - with SIGTERM first (the normal pod deletion), the daemon flushes each
+//!   image, clears its loop devices and closes the images (their locks and
+//!   watches go at once); with SIGKILL, the same devices die but the images'
+//!   watches linger until the OSDs time them out (see
+//!   `--blocklist-dead-clients`);
+//! - either way, **every filesystem mounted from this mapper on the node
+//!   gets I/O errors from then on**, and what it had not written back
+//!   (never `fsync`ed) is lost; what was `fsync`ed is in the image;
+//! - the new daemon reports those volumes unhealthy (`NodeGetVolumeStats`'
+//!   condition says "the daemon restarted"). They come back only when their
+//!   pods are restarted: kubelet then unpublishes and unstages the dead
+//!   mounts and stages again on a new device.
+//!
+//! **Drain the node before replacing the node pod**: `kubectl drain NODE`
+//! (cordon, evict the pods), wait until the daemon's `list` is empty (every
+//! volume unstaged), then replace the pod, then `kubectl uncordon NODE`.
+//! Use `updateStrategy: OnDelete` for the node plugin's DaemonSet so an
+//! image bump never replaces it under mounted volumes by itself.
+//!
+//! ceph-csi's rbd-nbd mounter has the same problem (its rbd-nbd processes
+//! live in the node-plugin pod) and answers it with a *volume healer*: when
+//! the node plugin starts, it finds the volumes staged on the node (from
+//! their VolumeAttachments), fetches their secrets and starts rbd-nbd again
+//! attached to the *same* `/dev/nbdX` (the nbd driver lets a new server
+//! take over a device whose server died, within its I/O timeout), so the
+//! mounts survive a pod replacement. We cannot do that: a FUSE mount whose
+//! last `/dev/fuse` fd was closed is aborted for good; no new server can
+//! take it over, so there is nothing a healer could reattach to. What we
+//! have instead: surviving any crash *inside* the container (the
+//! supervisor keeps the connection, the restarted worker reopens the
+//! images and asks the kernel to resend what was in flight), which covers
+//! what ceph-csi's healer also covers for crashes, and no need to fetch
+//! secrets from the API server at start-up. What rbd-nbd's healer covers
+//! and we do not: the whole pod being replaced. For that, drain.
+//!
+//! # Map and unmap options
+//! `mapOptions` for this mapper (`rbdkit-fuse:...` or unprefixed, see
+//! [`crate::node::options`]), checked by [`FuseMapOptions::parse`] both
+//! here and in the daemon; anything else is refused with an error naming
+//! the option:
+//! - `queue_depth=N`: the loop device's `nr_requests` (4 to the loop
+//!   driver's `hw_queue_depth`, 128 by default); the kernel's default is
+//!   the maximum.
+//! - `block_size=N`: the loop device's logical block size (512, 1024, 2048
+//!   or 4096; default 4096).
+//! - `read_only` (or `ro`): map read-only, as a read-only volume does.
+//! - librbd settings for this image, each `name=value`: `rbd_cache`,
+//!   `rbd_cache_writethrough_until_flush` (`true`/`false`),
+//!   `rbd_cache_policy` (`writethrough`, `writeback`, `writearound`),
+//!   `rbd_cache_size`, `rbd_cache_max_dirty`, `rbd_readahead_max_bytes`,
+//!   `rbd_readahead_disable_after_bytes` (bytes) and
+//!   `rbd_readahead_trigger_requests`. These change only caching and
+//!   prefetching, never where or how data is stored. An image with
+//!   settings gets its own librados connection (images with equal settings
+//!   share one).
+//!
+//! `threads` is refused: the FUSE reader threads serve every image of the
+//! daemon, so they are the daemon's `--threads` flag, not a per-volume
+//! option. A repeated `attach` with other options than the live mapping's
+//! is refused (`EEXIST`), like one for another image.
+//!
+//! `unmapOptions`: `force` clears the loop device even while it is mounted
+//! or open (the kernel unbinds it on its last close, and until then every
+//! I/O fails) and closes the image; without it, `detach` of a busy device
+//! fails with `EBUSY`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -77,6 +153,172 @@ pub struct AttachSpec {
     /// Map read-only.
     #[serde(default)]
     pub read_only: bool,
+    /// The `mapOptions` of this mapper ([`FuseMapOptions`]).
+    #[serde(default)]
+    pub options: Vec<String>,
+}
+
+/// librbd settings a `mapOptions` entry may override, and what values each
+/// takes: only caching and prefetching, nothing that changes the data.
+const LIBRBD_OPTIONS: &[(&str, ValueKind)] = &[
+    ("rbd_cache", ValueKind::Bool),
+    ("rbd_cache_writethrough_until_flush", ValueKind::Bool),
+    (
+        "rbd_cache_policy",
+        ValueKind::OneOf(&["writethrough", "writeback", "writearound"]),
+    ),
+    ("rbd_cache_size", ValueKind::Count),
+    ("rbd_cache_max_dirty", ValueKind::Count),
+    ("rbd_readahead_max_bytes", ValueKind::Count),
+    ("rbd_readahead_disable_after_bytes", ValueKind::Count),
+    ("rbd_readahead_trigger_requests", ValueKind::Count),
+];
+
+#[derive(Debug, Clone, Copy)]
+enum ValueKind {
+    Bool,
+    Count,
+    OneOf(&'static [&'static str]),
+}
+
+/// The loop driver's tag-set depth (`hw_queue_depth` module parameter):
+/// the most `nr_requests` a loop device takes.
+pub fn loop_hw_queue_depth() -> u32 {
+    std::fs::read_to_string("/sys/module/loop/parameters/hw_queue_depth")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(128)
+}
+
+/// The `mapOptions` of the `rbdkit-fuse` mapper, parsed and checked (see
+/// the [module docs](self)).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FuseMapOptions {
+    /// `queue_depth`: the loop device's `nr_requests`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_depth: Option<u32>,
+    /// `block_size`: the loop device's logical block size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
+    /// `read_only`/`ro`.
+    #[serde(default)]
+    pub read_only: bool,
+    /// librbd settings (`rbd_cache=false`, ...), in the order given.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub librbd: Vec<(String, String)>,
+}
+
+impl FuseMapOptions {
+    /// Parses `mapOptions` entries; an unknown option or a bad value is an
+    /// `InvalidArgument` error naming it. `volume` is for the message.
+    pub fn parse(options: &[String], volume: &str) -> Result<FuseMapOptions> {
+        let mut out = FuseMapOptions::default();
+        let bad = |opt: &str, why: String| {
+            Error::invalid(
+                "mapOptions",
+                volume,
+                format!("rbdkit-fuse option {opt:?}: {why}"),
+            )
+        };
+        for raw in options {
+            let opt = raw.trim();
+            let (name, value) = match opt.split_once('=') {
+                Some((n, v)) => (n.trim(), Some(v.trim())),
+                None => (opt, None),
+            };
+            let number = |v: Option<&str>| -> Result<u64> {
+                v.and_then(|v| v.parse::<u64>().ok())
+                    .ok_or_else(|| bad(opt, "needs a whole number, as name=N".into()))
+            };
+            match name {
+                "queue_depth" => {
+                    let max = loop_hw_queue_depth();
+                    let n = number(value)?;
+                    if !(4..=u64::from(max)).contains(&n) {
+                        return Err(bad(
+                            opt,
+                            format!(
+                                "the loop device's nr_requests must be 4 to {max} (the loop \
+                                 driver's hw_queue_depth)"
+                            ),
+                        ));
+                    }
+                    out.queue_depth = Some(n as u32);
+                }
+                "block_size" => {
+                    let n = number(value)?;
+                    if ![512, 1024, 2048, 4096].contains(&n) {
+                        return Err(bad(opt, "must be 512, 1024, 2048 or 4096".into()));
+                    }
+                    out.block_size = Some(n as u32);
+                }
+                "read_only" | "ro" => {
+                    if value.is_some() {
+                        return Err(bad(opt, "takes no value".into()));
+                    }
+                    out.read_only = true;
+                }
+                "threads" => {
+                    return Err(bad(
+                        opt,
+                        "the FUSE reader threads serve every volume of the daemon: set them \
+                         with the daemon's --threads flag, not per volume"
+                            .into(),
+                    ))
+                }
+                _ => {
+                    let Some((_, kind)) = LIBRBD_OPTIONS.iter().find(|(n, _)| *n == name) else {
+                        let known: Vec<&str> = ["queue_depth", "block_size", "read_only"]
+                            .into_iter()
+                            .chain(LIBRBD_OPTIONS.iter().map(|(n, _)| *n))
+                            .collect();
+                        return Err(bad(
+                            opt,
+                            format!("unknown option; known: {}", known.join(", ")),
+                        ));
+                    };
+                    let Some(v) = value.filter(|v| !v.is_empty()) else {
+                        return Err(bad(opt, "needs a value, as name=value".into()));
+                    };
+                    let ok = match kind {
+                        ValueKind::Bool => v == "true" || v == "false",
+                        ValueKind::Count => v.parse::<u64>().is_ok(),
+                        ValueKind::OneOf(set) => set.contains(&v),
+                    };
+                    if !ok {
+                        let want = match kind {
+                            ValueKind::Bool => "true or false".to_owned(),
+                            ValueKind::Count => "a whole number".to_owned(),
+                            ValueKind::OneOf(set) => set.join(", "),
+                        };
+                        return Err(bad(opt, format!("the value must be {want}")));
+                    }
+                    out.librbd.retain(|(n, _)| n != name);
+                    out.librbd.push((name.to_owned(), v.to_owned()));
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Whether `unmapOptions` for this mapper ask for `force`; anything else is
+/// refused with an error naming it.
+pub fn parse_unmap_options(options: &[String], volume: &str) -> Result<bool> {
+    let mut force = false;
+    for o in options {
+        match o.trim() {
+            "force" => force = true,
+            other => {
+                return Err(Error::invalid(
+                    "unmapOptions",
+                    volume,
+                    format!("unknown rbdkit-fuse unmap option {other:?}; known: force"),
+                ))
+            }
+        }
+    }
+    Ok(force)
 }
 
 impl From<&MapSpec> for AttachSpec {
@@ -91,6 +333,7 @@ impl From<&MapSpec> for AttachSpec {
             image: s.image.clone(),
             snapshot: s.snapshot.clone(),
             read_only: s.read_only,
+            options: s.options.clone(),
         }
     }
 }
@@ -105,6 +348,9 @@ pub enum ControlRequest {
     Detach {
         /// The volume.
         volume_id: String,
+        /// Clear the device even while it is mounted or open.
+        #[serde(default)]
+        force: bool,
     },
     /// Re-read the image size and grow the device; returns the size.
     Refresh {
@@ -139,6 +385,10 @@ pub struct AttachmentStatus {
     pub read_only: bool,
     /// The loop device does direct I/O on the file (no second page cache).
     pub direct_io: bool,
+    /// The librbd settings of its `mapOptions`, as the connection serving
+    /// the image reads them back.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub librbd: Vec<(String, String)>,
     /// The mapping serves I/O.
     pub healthy: bool,
     /// Why not, when not healthy.
@@ -287,6 +537,8 @@ impl Mapper for FuseMapper {
     }
 
     fn map(&self, spec: &MapSpec) -> Result<PathBuf> {
+        // Checked here too, so a bad StorageClass fails before the daemon.
+        FuseMapOptions::parse(&spec.options, &spec.volume_id)?;
         let r = self.call_ok(&ControlRequest::Attach(spec.into()), ATTACH_TIMEOUT)?;
         r.device.map(PathBuf::from).ok_or_else(|| {
             Error::invalid(
@@ -305,10 +557,12 @@ impl Mapper for FuseMapper {
             .map(PathBuf::from))
     }
 
-    fn unmap(&self, volume_id: &str, _options: &[String]) -> Result<()> {
+    fn unmap(&self, volume_id: &str, options: &[String]) -> Result<()> {
+        let force = parse_unmap_options(options, volume_id)?;
         self.call_ok(
             &ControlRequest::Detach {
                 volume_id: volume_id.to_owned(),
+                force,
             },
             REQUEST_TIMEOUT,
         )?;

@@ -414,8 +414,12 @@ pub fn supervise(args: FuseMapperArgs) -> Result<()> {
         std::env::current_exe().map_err(|e| io_err(e, "readlink", Path::new("/proc/self/exe")))?;
     let mut recent = Vec::<Instant>::new();
     loop {
-        let mut child = Command::new(&exe)
-            .arg("fuse-mapper")
+        let mut cmd = Command::new(&exe);
+        cmd.arg("fuse-mapper");
+        if args.blocklist_dead_clients {
+            cmd.arg("--blocklist-dead-clients");
+        }
+        let mut child = cmd
             .arg("--worker")
             .arg("--socket")
             .arg(&args.socket)

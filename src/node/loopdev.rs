@@ -296,6 +296,25 @@ pub fn direct_io(dev: &Path) -> bool {
         .is_some_and(|s| s.trim() == "1")
 }
 
+/// Writes one block-queue setting of `dev` (`/sys/block/loopN/queue/NAME`,
+/// e.g. `nr_requests`, `max_sectors_kb`).
+pub fn set_queue_attr(dev: &Path, name: &str, value: &str) -> Result<()> {
+    let path = sys_dir(dev)
+        .ok_or_else(|| {
+            Error::invalid("write", dev.display().to_string(), "not a loop device name")
+        })?
+        .join("queue")
+        .join(name);
+    std::fs::write(&path, value)
+        .map_err(|e| io_err(e, "write", &path).detail(format!("cannot set {name} to {value}")))
+}
+
+/// One block-queue setting of `dev` (`/sys/block/loopN/queue/NAME`).
+pub fn queue_attr(dev: &Path, name: &str) -> Option<String> {
+    let text = std::fs::read_to_string(sys_dir(dev)?.join("queue").join(name)).ok()?;
+    Some(text.trim().to_owned())
+}
+
 /// The size of `dev` in bytes (`/sys/block/loopN/size`, in 512-byte sectors).
 pub fn size(dev: &Path) -> Option<u64> {
     let dir = sys_dir(dev)?;

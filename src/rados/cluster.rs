@@ -618,6 +618,37 @@ impl Cluster {
         Ok(s)
     }
 
+    /// One config option's value on this connection, as librados uses it.
+    /// Refuses the options that hold a key. Wraps `rados_conf_get`.
+    pub fn conf_get(&self, option: &str) -> Result<String> {
+        if is_key_option(option) {
+            return Err(Error::invalid(
+                "rados_conf_get",
+                option,
+                "this option holds a key and is never read back",
+            ));
+        }
+        self.inner.conf_get(option)
+    }
+
+    /// Blocklists one client instance (`ip:port/nonce`, as [`Cluster::addrs`]
+    /// or a lock owner shows it) on the OSDs for `expire_secs` seconds (0:
+    /// the cluster's default, an hour): its watches end and its requests are
+    /// refused from the next OSD map on. Needs a mon cap that allows
+    /// `osd blocklist` (`profile rbd` does). Bounded by the mon-op timeout.
+    /// Wraps `rados_blocklist_add`.
+    pub fn blocklist_add(&self, client_addr: &str, expire_secs: u32) -> Result<()> {
+        let addr = cstr(client_addr, "rados_blocklist_add", "client address")?;
+        // SAFETY: the handle is connected; `addr` is a NUL-terminated string
+        // that outlives the call (librados only reads it, the header's
+        // `char *` notwithstanding).
+        let ret = unsafe {
+            sys::rados_blocklist_add(self.raw(), addr.as_ptr() as *mut c_char, expire_secs)
+        };
+        cvt(ret, "rados_blocklist_add", || client_addr.to_owned())?;
+        Ok(())
+    }
+
     /// Names of all pools. Wraps `rados_pool_list`.
     pub fn pool_list(&self) -> Result<Vec<String>> {
         let mut needed = 0usize;
