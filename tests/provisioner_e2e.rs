@@ -112,16 +112,19 @@ async fn provisions_a_claim_and_deletes_it_with_its_image() {
     assert_eq!(owner["rbdkit.pvc.name"], "data");
     assert_eq!(owner["rbdkit.cluster"], env.cluster_id);
     drop(image);
-    // The claim no longer carries the provisioning finalizer.
-    let claim = env.claims().get("data").await.unwrap();
-    assert!(!claim
-        .metadata
-        .finalizers
-        .unwrap_or_default()
-        .iter()
-        .any(|f| f.starts_with("rbdkit.io/")));
     env.wait_event("data", "ProvisioningSucceeded", &[&pv_name])
         .await;
+    // The claim loses the provisioning finalizer (just after that event).
+    eventually("the provisioning finalizer to go", WAIT, || async {
+        let claim = env.claims().get("data").await.map_err(|e| e.to_string())?;
+        let f = claim.metadata.finalizers.unwrap_or_default();
+        if f.iter().any(|f| f.starts_with("rbdkit.io/")) {
+            Err(format!("finalizers {f:?}"))
+        } else {
+            Ok(())
+        }
+    })
+    .await;
 
     // Delete: PV and image go, even with the StorageClass gone (all that
     // is needed is on the PV and in its Secret).

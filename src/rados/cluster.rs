@@ -73,8 +73,9 @@ fn check_key(key: &str) -> Result<()> {
     let ok = raw.len() >= 12 && {
         let kind = u16::from_le_bytes([raw[0], raw[1]]);
         let len = u16::from_le_bytes([raw[10], raw[11]]) as usize;
-        // 0 = none, 1 = AES, whose secret is at least 16 bytes.
-        raw.len() == 12 + len && (kind == 0 || (kind == 1 && len >= 16))
+        // 0 = none, 1 = AES (16-byte secret), 2 = AES-256-KRB5 (32-byte
+        // secret; the default for new keys from Ceph 20 Tentacle on).
+        raw.len() == 12 + len && (kind == 0 || ((kind == 1 || kind == 2) && len >= 16))
     };
     zeroize(&mut raw);
     if ok {
@@ -861,6 +862,8 @@ mod tests {
     fn keys_are_checked_without_echoing_them() {
         // The shape `ceph auth get-key` prints (AES, 16-byte secret).
         check_key("AQBb1mZnAAAAABAAeXf4S2m5bNXE4U4z0u7K6Q==").unwrap();
+        // Tentacle's new keys: AES-256-KRB5, 32-byte secret.
+        check_key("AgAAAAAAAAAAACAAAAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=").unwrap();
         for bad in [
             "",
             "not-a-key!!",
