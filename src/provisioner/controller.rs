@@ -28,7 +28,7 @@ use serde_json::json;
 use crate::blocking::BlockingPool;
 use crate::k8s::backoff::{FailureCounts, RateLimiter};
 use crate::k8s::events::Events;
-use crate::k8s::quantity::{bytes_quantity, parse_bytes, round_up_mib, MIB};
+use crate::k8s::quantity::{bytes_quantity, parse_bytes, parse_whole_bytes, round_up_mib, MIB};
 use crate::provisioner::metrics::Metrics;
 use crate::provisioner::pv::{
     build_pv, claim_access_modes, claim_volume_mode, deletion_secret, expand_secret, our_volume,
@@ -203,7 +203,17 @@ fn storage_request(claim: &PersistentVolumeClaim) -> Result<u64, String> {
         .and_then(|r| r.requests.as_ref())
         .and_then(|r| r.get("storage"))
         .ok_or("the claim requests no storage")?;
-    parse_bytes(&q.0).map_err(|e| format!("the claim's storage request: {e}"))
+    let bytes = parse_whole_bytes(&q.0).map_err(|e| format!("the claim's storage request: {e}"))?;
+    // The API server clamps any larger request to 2^63 - 1 bytes, and
+    // capacities cannot be reported back above that: refuse such sizes
+    // rather than make an image that could never be removed in practice.
+    if round_up_mib(bytes) > i64::MAX as u64 {
+        return Err(format!(
+            "the claim's storage request {:?} rounded up to whole MiB is above 2^63 - 1 bytes (the API server turns any larger request into 9223372036854775807)",
+            q.0
+        ));
+    }
+    Ok(bytes)
 }
 
 fn storage_limit(claim: &PersistentVolumeClaim) -> Option<u64> {
