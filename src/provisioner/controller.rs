@@ -707,12 +707,22 @@ async fn cleanup_image(
     let provisioner = ctx.name.clone();
     let pv = pv_name.to_owned();
     let vol_c = vol.clone();
-    let outcome = ctx
+    let outcome = match ctx
         .ceph(&conn, move |c, m| {
             ops::delete_image(c, m, &vol_c, &provisioner, &pv)
         })
         .await
-        .map_err(|e| format!("cannot remove image {vol} of deleted claim: {e}"))?;
+    {
+        Ok(o) => o,
+        // Someone else's image holds the name: provisioning refused to
+        // adopt it, so nothing of ours is there; leave it and let go.
+        Err(e @ VolumeError::NotOwned { .. }) if matches!(&e, VolumeError::NotOwned { image, .. } if *image == vol.image) =>
+        {
+            tracing::warn!(image = %vol, "claim deleted; {e}");
+            return Ok(());
+        }
+        Err(e) => return Err(format!("cannot remove image {vol} of deleted claim: {e}")),
+    };
     tracing::info!(image = %vol, ?outcome, "removed the image of a claim deleted during provisioning");
     Ok(())
 }
