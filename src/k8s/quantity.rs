@@ -33,6 +33,24 @@ impl std::error::Error for QuantityError {}
 /// suffix (`Ki` … `Ei`), decimal suffix (`n`, `u`, `m`, `k`, `M` … `E`) or
 /// exponent (`e9`, `E3`). Negative values and values above `u64::MAX` fail.
 pub fn parse_bytes(text: &str) -> Result<u64, QuantityError> {
+    parse_exact(text).map(|(bytes, _)| bytes)
+}
+
+/// [`parse_bytes`], but a value that is not a whole number of bytes (such as
+/// `1500m`) is an error instead of being rounded up: a storage request must
+/// name a size, not a fraction of a byte.
+pub fn parse_whole_bytes(text: &str) -> Result<u64, QuantityError> {
+    match parse_exact(text)? {
+        (bytes, true) => Ok(bytes),
+        (_, false) => Err(QuantityError {
+            text: text.to_owned(),
+            why: "not a whole number of bytes",
+        }),
+    }
+}
+
+/// The value rounded up to whole bytes, and whether it was whole already.
+fn parse_exact(text: &str) -> Result<(u64, bool), QuantityError> {
     let err = |why| QuantityError {
         text: text.to_owned(),
         why,
@@ -114,7 +132,10 @@ pub fn parse_bytes(text: &str) -> Result<u64, QuantityError> {
         .checked_mul(pow(10, frac_len).ok_or_else(|| err("too many decimals"))?)
         .ok_or_else(|| err("too many decimals"))?;
     let bytes = num.div_ceil(den);
-    u64::try_from(bytes).map_err(|_| err("too large"))
+    let whole = num % den == 0;
+    u64::try_from(bytes)
+        .map(|b| (b, whole))
+        .map_err(|_| err("too large"))
 }
 
 /// Parses a [`Quantity`] into bytes; see [`parse_bytes`].

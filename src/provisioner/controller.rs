@@ -28,7 +28,7 @@ use serde_json::json;
 use crate::blocking::BlockingPool;
 use crate::k8s::backoff::{FailureCounts, RateLimiter};
 use crate::k8s::events::Events;
-use crate::k8s::quantity::{bytes_quantity, parse_bytes, round_up_mib, MIB};
+use crate::k8s::quantity::{bytes_quantity, parse_bytes, parse_whole_bytes, round_up_mib, MIB};
 use crate::provisioner::metrics::Metrics;
 use crate::provisioner::pv::{
     build_pv, claim_access_modes, claim_volume_mode, deletion_secret, expand_secret, our_volume,
@@ -203,7 +203,17 @@ fn storage_request(claim: &PersistentVolumeClaim) -> Result<u64, String> {
         .and_then(|r| r.requests.as_ref())
         .and_then(|r| r.get("storage"))
         .ok_or("the claim requests no storage")?;
-    parse_bytes(&q.0).map_err(|e| format!("the claim's storage request: {e}"))
+    let bytes = parse_whole_bytes(&q.0).map_err(|e| format!("the claim's storage request: {e}"))?;
+    // The API server clamps any larger request to 2^63 - 1 bytes, and
+    // capacities cannot be reported back above that: refuse such sizes
+    // rather than make an image that could never be removed in practice.
+    if round_up_mib(bytes) > i64::MAX as u64 {
+        return Err(format!(
+            "the claim's storage request {:?} rounded up to whole MiB is above 2^63 - 1 bytes (the API server turns any larger request into 9223372036854775807)",
+            q.0
+        ));
+    }
+    Ok(bytes)
 }
 
 fn storage_limit(claim: &PersistentVolumeClaim) -> Option<u64> {
@@ -697,12 +707,22 @@ async fn cleanup_image(
     let provisioner = ctx.name.clone();
     let pv = pv_name.to_owned();
     let vol_c = vol.clone();
-    let outcome = ctx
+    let outcome = match ctx
         .ceph(&conn, move |c, m| {
             ops::delete_image(c, m, &vol_c, &provisioner, &pv)
         })
         .await
-        .map_err(|e| format!("cannot remove image {vol} of deleted claim: {e}"))?;
+    {
+        Ok(o) => o,
+        // Someone else's image holds the name: provisioning refused to
+        // adopt it, so nothing of ours is there; leave it and let go.
+        Err(e @ VolumeError::NotOwned { .. }) if matches!(&e, VolumeError::NotOwned { image, .. } if *image == vol.image) =>
+        {
+            tracing::warn!(image = %vol, "claim deleted; {e}");
+            return Ok(());
+        }
+        Err(e) => return Err(format!("cannot remove image {vol} of deleted claim: {e}")),
+    };
     tracing::info!(image = %vol, ?outcome, "removed the image of a claim deleted during provisioning");
     Ok(())
 }

@@ -208,6 +208,7 @@ pub fn ensure_image(
         let current = timed(metrics, "size", || existing.size())?;
         return Ok(current);
     }
+    check_pool_quota(cluster, metrics, vol, size)?;
     let temp = format!("{}{TEMP_SUFFIX}", vol.image);
     let image = create_temp(&io, metrics, &temp, size, options)?;
     for (k, v) in owner.pairs() {
@@ -225,6 +226,48 @@ pub fn ensure_image(
         }
         Err(e) => Err(e.into()),
     }
+}
+
+/// Refuses an image larger than the pool's byte quota (`osd pool
+/// get-quota`, through `rados_mon_command`): RBD images are thin, so Ceph
+/// itself would accept it and fail only writes, later, inside a workload.
+/// A user whose caps do not allow the query is not refused (the quota then
+/// still applies to writes).
+fn check_pool_quota(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    vol: &VolumeId,
+    size: u64,
+) -> Result<(), VolumeError> {
+    let cmd = serde_json::json!({
+        "prefix": "osd pool get-quota",
+        "pool": vol.pool,
+        "format": "json",
+    })
+    .to_string();
+    let reply = match timed(metrics, "mon_command", || cluster.mon_command(&cmd, &[])) {
+        Ok(r) => r,
+        // A missing pool is reported by the create itself.
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == ErrorKind::PermissionDenied => {
+            tracing::debug!(pool = %vol.pool, "may not read the pool quota: {e}");
+            return Ok(());
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let max = serde_json::from_slice::<serde_json::Value>(&reply.output)
+        .ok()
+        .and_then(|v| v.get("quota_max_bytes")?.as_u64())
+        .unwrap_or(0);
+    if max > 0 && size > max {
+        return Err(Error::from_errno(libc::EDQUOT, "create", vol.to_string())
+            .detail(format!(
+                "{size} bytes is more than pool {}'s quota of {max} bytes",
+                vol.pool
+            ))
+            .into());
+    }
+    Ok(())
 }
 
 /// Creates (or adopts) the temporary image and opens it read-write.

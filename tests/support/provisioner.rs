@@ -255,11 +255,20 @@ impl Env {
     /// Runs `rbdkit provisioner` as a child process known as `identity`,
     /// logging to a file in the test's directory.
     pub fn start_process(&self, identity: &str) -> ChildProvisioner {
+        self.start_process_with(identity, &[])
+    }
+
+    /// [`Env::start_process`] with some flags replaced.
+    pub fn start_process_with(
+        &self,
+        identity: &str,
+        overrides: &[(&str, &str)],
+    ) -> ChildProvisioner {
         let log = self.dir.path().join(format!("{identity}.log"));
         let file = std::fs::File::create(&log).expect("log file");
         let child = Command::new(env!("CARGO_BIN_EXE_rbdkit"))
             .arg("provisioner")
-            .args(self.cli_args(identity))
+            .args(self.cli_args_with(identity, overrides))
             .args(["--log-format", "json"])
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
