@@ -316,6 +316,19 @@ fn mapper_options(
     .map_err(|e| status_of(&e))
 }
 
+/// Unmounts everything at `target` and removes it (a directory, or the
+/// file a block device was bound onto). Nothing there is fine.
+async fn unmount_and_remove(target: &Path) -> Result<(), Status> {
+    let t = target.to_owned();
+    blocking(move || mount::ensure_unmounted(&t)).await?;
+    if target.is_dir() {
+        std::fs::remove_dir(target).map_err(|e| io_status("remove", target, e))?;
+    } else if target.exists() {
+        std::fs::remove_file(target).map_err(|e| io_status("remove", target, e))?;
+    }
+    Ok(())
+}
+
 fn io_status(what: &str, path: &Path, e: std::io::Error) -> Status {
     Status::internal(format!("cannot {what} {}: {e}", path.display()))
 }
@@ -505,13 +518,7 @@ impl Node for NodeService {
         let _busy = self.driver.begin(&id)?;
         let target = staging.join(VOLUME);
         let stash = Stash::read(&staging)?;
-        let t = target.clone();
-        blocking(move || mount::ensure_unmounted(&t)).await?;
-        if target.is_dir() {
-            std::fs::remove_dir(&target).map_err(|e| io_status("remove", &target, e))?;
-        } else if target.exists() {
-            std::fs::remove_file(&target).map_err(|e| io_status("remove", &target, e))?;
-        }
+        unmount_and_remove(&target).await?;
         let targets: Vec<(Arc<dyn Mapper>, Vec<String>)> = match &stash {
             Some(s) => vec![(self.mapper(&s.mapper)?, s.unmap_options.clone())],
             None => self
@@ -601,13 +608,7 @@ impl Node for NodeService {
         let id = required("volume_id", &req.volume_id)?.to_owned();
         let target = PathBuf::from(required("target_path", &req.target_path)?);
         let _busy = self.driver.begin(&id)?;
-        let t = target.clone();
-        blocking(move || mount::ensure_unmounted(&t)).await?;
-        if target.is_dir() {
-            std::fs::remove_dir(&target).map_err(|e| io_status("remove", &target, e))?;
-        } else if target.exists() {
-            std::fs::remove_file(&target).map_err(|e| io_status("remove", &target, e))?;
-        }
+        unmount_and_remove(&target).await?;
         if let Some(staging) = self.staging_of(&id, "") {
             if let Ok(Some(mut st)) = Stash::read(&staging) {
                 if st.published.contains(&target) {

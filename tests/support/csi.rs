@@ -65,6 +65,21 @@ impl Daemon {
         }
     }
 
+    /// SIGTERM, then (after at most 10 s) SIGKILL, and reap it.
+    pub fn terminate(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &c.id().to_string()])
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while matches!(c.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
     /// Starts it again with the same arguments (after [`Daemon::kill9`]).
     pub fn restart(&mut self) {
         self.kill9();
@@ -350,5 +365,36 @@ pub fn block_cap() -> VolumeCapability {
         access_type: Some(volume_capability::AccessType::Block(
             volume_capability::BlockVolume {},
         )),
+    }
+}
+
+impl Drop for CsiEnv {
+    fn drop(&mut self) {
+        // Leave no mount behind, even after a failed test: first what the
+        // node service mounted (deepest first), then the mapper stops
+        // cleanly, then whatever a killed mapper left.
+        self.csi.kill9();
+        let root = self.dir.path().to_owned();
+        let under = || -> Vec<PathBuf> {
+            let mut v: Vec<PathBuf> = rbdkit::node::mount::mountinfo()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|m| m.mount_point)
+                .filter(|p| p.starts_with(&root))
+                .collect();
+            v.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+            v.dedup();
+            v
+        };
+        let mapper_mnt = root.join("mapper");
+        for p in under().into_iter().filter(|p| !p.starts_with(&mapper_mnt)) {
+            let _ = rbdkit::node::mount::ensure_unmounted(&p);
+        }
+        if let Some(m) = self.mapper.as_mut() {
+            m.terminate();
+        }
+        for p in under() {
+            let _ = rbdkit::node::mount::ensure_unmounted(&p);
+        }
     }
 }
