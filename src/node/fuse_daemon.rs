@@ -1422,7 +1422,9 @@ fn lock_state_dir(dir: &Path) -> Result<File> {
     Ok(f)
 }
 
-fn peer_uid(stream: &UnixStream) -> Option<u32> {
+/// The uid of the process at the other end of a unix socket
+/// (`SO_PEERCRED`), for the control sockets' root-only check.
+pub(crate) fn peer_uid(stream: &UnixStream) -> Option<u32> {
     let mut cred = libc::ucred {
         pid: 0,
         uid: u32::MAX,

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::node::fuse_daemon::FuseMapperArgs;
+use crate::node::fuse_daemon::{peer_uid, FuseMapperArgs};
 use crate::node::fuse_kernel::InitInfo;
 use crate::rados::Secret;
 
@@ -270,26 +270,6 @@ impl StoreClient {
 struct Store {
     session: Option<(InitInfo, Vec<OwnedFd>)>,
     keys: HashMap<String, Secret>,
-}
-
-fn peer_uid(stream: &UnixStream) -> Option<u32> {
-    let mut cred = libc::ucred {
-        pid: 0,
-        uid: u32::MAX,
-        gid: 0,
-    };
-    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
-    // SAFETY: SO_PEERCRED fills one `struct ucred` (unix(7)).
-    let r = unsafe {
-        libc::getsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
-    };
-    (r == 0).then_some(cred.uid)
 }
 
 fn serve_store(store: &Mutex<Store>, stream: UnixStream) {
