@@ -41,6 +41,10 @@ pub enum ErrorKind {
     NotSupported,
     /// A resize would shrink the image and shrinking was not allowed.
     ShrinkRefused,
+    /// A change to Ceph was refused before it was made because this process
+    /// may no longer make it (a provisioner replica that no longer holds, or
+    /// cannot prove it still holds, the leader lease). Whoever leads retries.
+    Fenced,
     /// Any other errno, kept as it is (positive).
     Other(i32),
 }
@@ -76,6 +80,7 @@ impl ErrorKind {
             ErrorKind::ReadOnly => "read-only",
             ErrorKind::NotSupported => "not supported",
             ErrorKind::ShrinkRefused => "shrinking refused",
+            ErrorKind::Fenced => "refused: this replica may no longer change Ceph",
             ErrorKind::Other(_) => "failed",
         }
     }

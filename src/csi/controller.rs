@@ -30,7 +30,14 @@ use crate::volume::ops::{self, Owner, VolumeError, META_PROVISIONER};
 use crate::volume::params::{
     check_access, ClassParams, CLUSTER_ID, POOL, PVC_NAMESPACE_META, PVC_NAME_META,
 };
+use crate::volume::NoFence;
 use crate::volume::{volume_context, VolumeId};
+
+/// The CSI controller's fence: none. Its caller (external-provisioner or
+/// external-resizer, which do their own leader election) sends at most one
+/// request per volume at a time, and the driver refuses a second one in
+/// flight, so no deposed replica of ours acts beside a new one.
+const CO_SERIALISED: NoFence = NoFence;
 
 /// Size of a volume whose request names none.
 pub const DEFAULT_SIZE: u64 = 1 << 30;
@@ -205,7 +212,7 @@ impl Controller for ControllerService {
         let created = self
             .driver
             .ceph(&conn, move |c, m| {
-                ops::ensure_image(c, m, &v, size, &options, &owner)
+                ops::ensure_image(c, m, &CO_SERIALISED, &v, size, &options, &owner)
             })
             .await
             .map_err(|e| volume_status(&e))?;
@@ -247,7 +254,7 @@ impl Controller for ControllerService {
             .ceph(&conn, move |c, m| {
                 match ops::recorded_pv_name(c, m, &v, &name)? {
                     None => Ok(ops::Deleted::AlreadyGone),
-                    Some(pv) => ops::delete_image(c, m, &v, &name, &pv),
+                    Some(pv) => ops::delete_image(c, m, &CO_SERIALISED, &v, &name, &pv),
                 }
             })
             .await;
@@ -527,7 +534,7 @@ impl Controller for ControllerService {
                         image: v.image.clone(),
                     }
                 })?;
-                ops::expand_image(c, m, &v, &name, &pv, size)
+                ops::expand_image(c, m, &CO_SERIALISED, &v, &name, &pv, size)
             })
             .await
             .map_err(|e| volume_status(&e))?;

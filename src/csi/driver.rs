@@ -253,6 +253,7 @@ pub fn status_of(e: &Error) -> Status {
         ErrorKind::NoSpace => Code::ResourceExhausted,
         ErrorKind::ReadOnly => Code::FailedPrecondition,
         ErrorKind::NotSupported => Code::InvalidArgument,
+        ErrorKind::Fenced => Code::Aborted,
         _ => Code::Internal,
     };
     Status::new(code, e.to_string())

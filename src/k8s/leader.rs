@@ -13,7 +13,13 @@
 //! than the lease duration, so the old leader stops before anyone else may
 //! take over). On shutdown the holder releases the Lease so a standby takes
 //! over without waiting.
+//!
+//! Dropping the controllers does not stop a Ceph call already running on
+//! the blocking pool, so the elector also feeds a [`LeaseFence`]: the volume
+//! operations ask it before each destructive step, and it allows the step
+//! only while the lease is held and still valid for the step's whole bound.
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
@@ -69,6 +75,91 @@ pub struct LeaderElector {
     lease_name: String,
     identity: String,
     timing: Timing,
+    /// When the last successful acquire or renew was sent, while we lead.
+    renewed: Arc<Mutex<Option<std::time::Instant>>>,
+}
+
+/// The leader lease as a [`Fence`] for the volume operations.
+///
+/// A step may start only while this replica holds the lease and
+/// `last renew + lease duration − margin − step bound > now`, where the last
+/// renew is when the successful write was *sent* (a standby starts its own
+/// lease-duration wait only after it sees that write, so it cannot take over
+/// before then) and the margin covers clock-rate differences between nodes.
+/// The step bound is the Ceph operation timeout, which bounds each call.
+#[derive(Clone)]
+pub struct LeaseFence {
+    renewed: Arc<Mutex<Option<std::time::Instant>>>,
+    lease_name: String,
+    lease_duration: Duration,
+    margin: Duration,
+    step_bound: Duration,
+}
+
+impl std::fmt::Debug for LeaseFence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseFence")
+            .field("lease", &self.lease_name)
+            .field("step_bound", &self.step_bound)
+            .field("remaining", &self.remaining())
+            .finish()
+    }
+}
+
+/// The fence's safety margin for a lease duration: a tenth of it, at least
+/// 100 ms.
+pub fn fence_margin(lease_duration: Duration) -> Duration {
+    (lease_duration / 10).max(Duration::from_millis(100))
+}
+
+/// Checks that fenced steps of `step_bound` can run at all with `timing`:
+/// right before a renewal is due, a step must still fit in the lease.
+pub fn validate_fence(timing: &Timing, step_bound: Duration) -> Result<(), String> {
+    let needed = step_bound + fence_margin(timing.lease_duration) + timing.retry_period;
+    if timing.lease_duration <= needed {
+        return Err(format!(
+            "the lease duration ({:?}) must be longer than the Ceph operation timeout ({step_bound:?}) + the retry period ({:?}) + a tenth of the lease duration ({:?}), so that a Ceph step started by the leader ends before another replica may take over",
+            timing.lease_duration,
+            timing.retry_period,
+            fence_margin(timing.lease_duration)
+        ));
+    }
+    Ok(())
+}
+
+impl LeaseFence {
+    /// For how much longer a step started now could still run inside the
+    /// lease (`None`: the lease is not held).
+    pub fn remaining(&self) -> Option<Duration> {
+        let renewed = (*self.renewed.lock().unwrap_or_else(|e| e.into_inner()))?;
+        let valid_until = renewed + self.lease_duration.saturating_sub(self.margin);
+        Some(valid_until.saturating_duration_since(std::time::Instant::now()))
+    }
+}
+
+impl crate::volume::Fence for LeaseFence {
+    fn check(&self, step: &'static str, object: &str) -> crate::Result<()> {
+        let refuse = |why: String| {
+            Err(crate::Error::with_kind(
+                crate::ErrorKind::Fenced,
+                libc::ECANCELED,
+                step,
+                object,
+                format!("not made: {why}; the leader will retry it"),
+            ))
+        };
+        match self.remaining() {
+            None => refuse(format!(
+                "this replica no longer holds the leader lease {}",
+                self.lease_name
+            )),
+            Some(left) if left <= self.step_bound => refuse(format!(
+                "the leader lease {} is valid for only {left:?} more (not renewed in time), less than the step's bound of {:?}",
+                self.lease_name, self.step_bound
+            )),
+            Some(_) => Ok(()),
+        }
+    }
 }
 
 impl std::fmt::Debug for LeaderElector {
@@ -106,7 +197,30 @@ impl LeaderElector {
             lease_name: lease_name.to_owned(),
             identity: identity.to_owned(),
             timing,
+            renewed: Arc::default(),
         }
+    }
+
+    /// A fence that allows steps of `step_bound` only while this candidate
+    /// leads with enough of its lease left (see [`LeaseFence`]).
+    pub fn fence(&self, step_bound: Duration) -> LeaseFence {
+        LeaseFence {
+            renewed: Arc::clone(&self.renewed),
+            lease_name: self.lease_name.clone(),
+            lease_duration: self.timing.lease_duration,
+            margin: fence_margin(self.timing.lease_duration),
+            step_bound,
+        }
+    }
+
+    fn set_renewed(&self, at: Option<Instant>) {
+        *self.renewed.lock().unwrap_or_else(|e| e.into_inner()) = at.map(Instant::into_std);
+    }
+
+    /// Stops leading: the fence first, so no new step starts.
+    fn step_down(&self, leader: &watch::Sender<bool>) {
+        self.set_renewed(None);
+        leader.send_replace(false);
     }
 
     /// This candidate's identity.
@@ -135,12 +249,14 @@ impl LeaderElector {
             match attempt {
                 Ok(Ok(Attempt::Held)) => {
                     last_renew = Some(started);
+                    self.set_renewed(Some(started));
                     if !is_leader {
                         tracing::info!(lease = %self.lease_name, identity = %self.identity, "acquired the lease; leading");
                         leader.send_replace(true);
                     }
                 }
                 Ok(Ok(Attempt::Other)) => {
+                    self.set_renewed(None);
                     if is_leader {
                         tracing::warn!(lease = %self.lease_name, "another replica holds the lease; stopping work");
                         leader.send_replace(false);
@@ -160,22 +276,23 @@ impl LeaderElector {
                 if let Some(t) = last_renew {
                     if t.elapsed() > self.timing.renew_deadline {
                         tracing::warn!(lease = %self.lease_name, "could not renew the lease in time; stopping work");
-                        leader.send_replace(false);
+                        self.step_down(&leader);
                     }
                 }
             }
         }
         if *leader.borrow() {
-            leader.send_replace(false);
+            self.step_down(&leader);
             self.release().await;
         }
+        self.set_renewed(None);
     }
 
     fn failed(&self, leader: &watch::Sender<bool>, last_renew: Option<Instant>, why: &str) {
         tracing::warn!(lease = %self.lease_name, error = why, "leader election request failed");
         if *leader.borrow() && last_renew.is_none_or(|t| t.elapsed() > self.timing.renew_deadline) {
             tracing::warn!(lease = %self.lease_name, "could not renew the lease in time; stopping work");
-            leader.send_replace(false);
+            self.step_down(leader);
         }
     }
 
@@ -325,6 +442,37 @@ mod tests {
             retry_period: Duration::from_secs(1),
         };
         assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn the_fence_allows_a_step_only_inside_the_held_lease() {
+        use crate::volume::Fence;
+        let fence = LeaseFence {
+            renewed: Arc::default(),
+            lease_name: "l".into(),
+            lease_duration: Duration::from_secs(10),
+            margin: fence_margin(Duration::from_secs(10)),
+            step_bound: Duration::from_secs(5),
+        };
+        let e = fence.check("rbd_remove", "c:rbd/img").unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::Fenced);
+        assert!(
+            e.to_string().contains("no longer holds the leader lease l"),
+            "{e}"
+        );
+        let now = std::time::Instant::now();
+        *fence.renewed.lock().unwrap() = Some(now);
+        fence.check("rbd_remove", "c:rbd/img").unwrap();
+        // 10 s - 1 s margin - 5 s bound: a renewal 4.5 s old is too old.
+        *fence.renewed.lock().unwrap() = now.checked_sub(Duration::from_millis(4500));
+        let e = fence.check("rbd_remove", "c:rbd/img").unwrap_err();
+        assert!(e.to_string().contains("valid for only"), "{e}");
+    }
+
+    #[test]
+    fn default_timings_leave_room_for_a_fenced_step() {
+        assert!(validate_fence(&Timing::default(), Duration::from_secs(10)).is_ok());
+        assert!(validate_fence(&Timing::default(), Duration::from_secs(30)).is_err());
     }
 
     #[test]

@@ -39,7 +39,7 @@ use crate::rados::Cluster;
 use crate::volume::clusters::{ClustersFile, Conn, Connections};
 use crate::volume::ops::{self, Deleted, Owner, VolumeError};
 use crate::volume::params::{check_access, ClassParams, SecretRef, TemplateContext};
-use crate::volume::VolumeId;
+use crate::volume::{Fence, VolumeId};
 
 /// Finalizer on a claim while its image may exist without a PV.
 pub const CLAIM_FINALIZER: &str = "rbdkit.io/provisioning-protection";
@@ -94,6 +94,8 @@ pub struct Context {
     pub pv_failures: FailureCounts<String>,
     /// The global rate limit.
     pub limiter: Arc<RateLimiter>,
+    /// Asked before every destructive Ceph step: the leader lease.
+    pub fence: Arc<dyn Fence>,
     /// When work on an object started, for the duration metrics.
     started: Mutex<HashMap<String, Instant>>,
 }
@@ -117,6 +119,7 @@ impl Context {
         metrics: Metrics,
         backoff: crate::k8s::backoff::Backoff,
         limiter: Arc<RateLimiter>,
+        fence: Arc<dyn Fence>,
     ) -> Context {
         Context {
             client,
@@ -129,6 +132,7 @@ impl Context {
             claim_failures: FailureCounts::new(backoff),
             pv_failures: FailureCounts::new(backoff),
             limiter,
+            fence,
             started: Mutex::new(HashMap::new()),
         }
     }
@@ -154,11 +158,16 @@ impl Context {
     async fn ceph<T: Send + 'static>(
         &self,
         conn: &Conn,
-        f: impl FnOnce(&Cluster, &Metrics) -> Result<T, VolumeError> + Send + 'static,
+        f: impl FnOnce(&Cluster, &Metrics, &dyn Fence) -> Result<T, VolumeError> + Send + 'static,
     ) -> Result<T, VolumeError> {
         let cluster = conn.cluster().clone();
         let metrics = self.metrics.clone();
-        let out = match self.pool.run(move || Ok(f(&cluster, &metrics))).await {
+        let fence = Arc::clone(&self.fence);
+        let out = match self
+            .pool
+            .run(move || Ok(f(&cluster, &metrics, &*fence)))
+            .await
+        {
             Ok(inner) => inner,
             Err(e) => Err(VolumeError::Ceph(e)),
         };
@@ -578,8 +587,8 @@ async fn provision_steps(
         .map_err(|e| format!("image options: {e}"))?;
     let vol_c = vol.clone();
     let created = ctx
-        .ceph(&conn, move |c, m| {
-            ops::ensure_image(c, m, &vol_c, size, &options, &owner)
+        .ceph(&conn, move |c, m, f| {
+            ops::ensure_image(c, m, f, &vol_c, size, &options, &owner)
         })
         .await
         .map_err(|e| format!("cannot create image {vol}: {e}"))?;
@@ -708,8 +717,8 @@ async fn cleanup_image(
     let pv = pv_name.to_owned();
     let vol_c = vol.clone();
     let outcome = match ctx
-        .ceph(&conn, move |c, m| {
-            ops::delete_image(c, m, &vol_c, &provisioner, &pv)
+        .ceph(&conn, move |c, m, f| {
+            ops::delete_image(c, m, f, &vol_c, &provisioner, &pv)
         })
         .await
     {
@@ -871,8 +880,8 @@ async fn expand_steps(
     let vol_c = vol.clone();
     let pv_c = pv_name.clone();
     let resized = ctx
-        .ceph(&conn, move |c, m| {
-            ops::expand_image(c, m, &vol_c, &provisioner, &pv_c, new_size)
+        .ceph(&conn, move |c, m, f| {
+            ops::expand_image(c, m, f, &vol_c, &provisioner, &pv_c, new_size)
         })
         .await;
     drop(conn);
@@ -1049,8 +1058,8 @@ async fn delete_steps(
     let provisioner = ctx.name.clone();
     let pv_name = pv.name_any();
     let vol_c = vol.clone();
-    ctx.ceph(&conn, move |c, m| {
-        ops::delete_image(c, m, &vol_c, &provisioner, &pv_name)
+    ctx.ceph(&conn, move |c, m, f| {
+        ops::delete_image(c, m, f, &vol_c, &provisioner, &pv_name)
     })
     .await
     .map_err(|e| format!("cannot delete image {vol}: {e}"))

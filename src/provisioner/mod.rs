@@ -38,11 +38,12 @@ use crate::blocking::BlockingPool;
 use crate::k8s::backoff::{Backoff, RateLimiter};
 use crate::k8s::events::Events;
 use crate::k8s::health::Health;
-use crate::k8s::leader::{lease_name_for, LeaderElector, Timing};
+use crate::k8s::leader::{lease_name_for, validate_fence, LeaderElector, Timing};
 use crate::k8s::telemetry::{self, LogFormat};
 use crate::provisioner::controller::Context;
 use crate::provisioner::metrics::Metrics;
 use crate::volume::clusters::{ClustersFile, Connections};
+use crate::volume::{Fence, NoFence};
 
 /// Command-line arguments of `rbdkit provisioner`.
 #[derive(Debug, Clone, clap::Args)]
@@ -97,8 +98,11 @@ pub struct ProvisionerArgs {
     #[arg(long, default_value = "10s")]
     pub ceph_connect_timeout: humantime::Duration,
 
-    /// Bound on every Ceph operation.
-    #[arg(long, default_value = "30s")]
+    /// Bound on every Ceph operation. With leader election, the lease
+    /// duration must exceed it plus the retry period plus a tenth of the
+    /// lease: each destructive Ceph step starts only if it would end inside
+    /// the lease.
+    #[arg(long, default_value = "10s")]
     pub ceph_op_timeout: humantime::Duration,
 
     /// Close a Ceph connection unused for this long.
@@ -173,6 +177,10 @@ pub async fn run_until(
         retry_period: args.retry_period.into(),
     };
     timing.validate().map_err(anyhow::Error::msg)?;
+    let op_timeout: Duration = args.ceph_op_timeout.into();
+    if args.leader_election {
+        validate_fence(&timing, op_timeout).map_err(anyhow::Error::msg)?;
+    }
     let backoff = Backoff {
         base: args.backoff_base.into(),
         max: args.backoff_max.into(),
@@ -226,6 +234,7 @@ pub async fn run_until(
     // Leadership.
     let (leader_tx, leader_rx) = watch::channel(false);
     let (elector_stop_tx, elector_stop_rx) = watch::channel(false);
+    let fence: Arc<dyn Fence>;
     let elector = if args.leader_election {
         let namespace = args
             .leader_election_namespace
@@ -235,8 +244,11 @@ pub async fn run_until(
         let lease = lease_name_for(&args.name);
         tracing::info!(lease = %lease, namespace = %namespace, "leader election enabled");
         let e = LeaderElector::new(api, &lease, &identity, timing);
+        fence = Arc::new(e.fence(op_timeout));
         Some(tokio::spawn(e.run(leader_tx, stopped(elector_stop_rx))))
     } else {
+        // One replica by configuration: nobody else acts beside it.
+        fence = Arc::new(NoFence);
         leader_tx.send_replace(true);
         drop(elector_stop_rx);
         None
@@ -252,6 +264,7 @@ pub async fn run_until(
         metrics.clone(),
         backoff,
         Arc::new(RateLimiter::new(args.rate_limit, args.rate_burst)),
+        fence,
     ));
 
     let mut leader_rx_loop = leader_rx.clone();

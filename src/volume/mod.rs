@@ -54,6 +54,32 @@ pub trait CephObserver: Send + Sync {
     fn set_connections(&self, n: usize);
 }
 
+/// Permission to make one change to Ceph, asked for immediately before each
+/// destructive step of the volume operations (create or rename of the
+/// temporary image, its owner metadata, resize, trash move, trash remove,
+/// remove).
+///
+/// The provisioner passes one backed by its leader lease, so that a
+/// replica that has been deposed while a step was already running on the
+/// blocking pool stops before its next change. An `Err` (of kind
+/// [`crate::ErrorKind::Fenced`]) aborts the operation with nothing more
+/// changed; whoever leads retries it.
+pub trait Fence: Send + Sync {
+    /// May `step` (the C function about to be called) on `object` run now?
+    fn check(&self, step: &'static str, object: &str) -> crate::Result<()>;
+}
+
+/// A [`Fence`] that always allows: for callers whose requests are already
+/// serialised by someone else (a CSI controller behind its CO).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoFence;
+
+impl Fence for NoFence {
+    fn check(&self, _step: &'static str, _object: &str) -> crate::Result<()> {
+        Ok(())
+    }
+}
+
 /// A [`CephObserver`] that records nothing.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct NoMetrics;

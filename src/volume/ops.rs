@@ -10,6 +10,10 @@
 //! without an owner record, even if the process dies in between. A retry
 //! adopts the temporary image.
 //!
+//! Every destructive step (create, owner metadata, rename, resize, trash
+//! move, trash remove, remove) first asks the caller's [`Fence`], so that a
+//! provisioner replica deposed while an operation runs changes nothing more.
+//!
 //! Every function here is blocking: call it through
 //! [`crate::blocking::BlockingPool`].
 
@@ -19,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use crate::rados::{Cluster, IoCtx};
 use crate::rbd::{self, Image, ImageOptions};
-use crate::volume::{CephObserver, VolumeId};
+use crate::volume::{CephObserver, Fence, VolumeId};
 use crate::{Error, ErrorKind};
 
 /// Metadata key: the provisioner that made the image.
@@ -163,6 +167,109 @@ fn timed<T>(
     out
 }
 
+/// Asks `fence` whether `step` on `object` may run now.
+fn fenced(fence: &dyn Fence, step: &'static str, object: &str) -> crate::Result<()> {
+    pause::point(step);
+    let out = fence.check(step, object);
+    pause::record(step, &out);
+    if let Err(e) = &out {
+        tracing::warn!(error = %e, "fenced: step not made");
+    }
+    out
+}
+
+/// A test hook: parks the next fenced step of a given name just before its
+/// fence check, until the test releases it. Inert unless a test arms it.
+#[doc(hidden)]
+pub mod pause {
+    use std::sync::{Arc, Condvar, Mutex};
+    use std::time::Duration;
+
+    /// One armed pause point.
+    #[derive(Debug)]
+    pub struct Pause {
+        step: &'static str,
+        state: Mutex<State>,
+        cond: Condvar,
+    }
+
+    #[derive(Debug, Default)]
+    struct State {
+        reached: bool,
+        released: bool,
+        outcome: Option<Result<(), String>>,
+    }
+
+    static ARMED: Mutex<Option<Arc<Pause>>> = Mutex::new(None);
+    static LAST: Mutex<Option<Arc<Pause>>> = Mutex::new(None);
+
+    /// Parks the next `step` (such as `rbd_remove`) in this process.
+    pub fn arm(step: &'static str) -> Arc<Pause> {
+        let p = Arc::new(Pause {
+            step,
+            state: Mutex::new(State::default()),
+            cond: Condvar::new(),
+        });
+        *ARMED.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(&p));
+        p
+    }
+
+    impl Pause {
+        /// Whether the step has reached the pause point.
+        pub fn reached(&self) -> bool {
+            self.state.lock().unwrap_or_else(|e| e.into_inner()).reached
+        }
+
+        /// Lets the parked step go on to its fence check.
+        pub fn release(&self) {
+            self.state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .released = true;
+            self.cond.notify_all();
+        }
+
+        /// What the fence said once released: `Err` holds the message.
+        pub fn outcome(&self) -> Option<Result<(), String>> {
+            self.state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .outcome
+                .clone()
+        }
+    }
+
+    pub(super) fn point(step: &'static str) {
+        let p = {
+            let mut armed = ARMED.lock().unwrap_or_else(|e| e.into_inner());
+            match armed.as_ref() {
+                Some(p) if p.step == step => armed.take(),
+                _ => None,
+            }
+        };
+        let Some(p) = p else { return };
+        let mut st = p.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.reached = true;
+        // Bounded: a test that never releases does not hang the process.
+        let (st, _) = p
+            .cond
+            .wait_timeout_while(st, Duration::from_secs(120), |s| !s.released)
+            .unwrap_or_else(|e| e.into_inner());
+        drop(st);
+        *LAST.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
+    }
+
+    pub(super) fn record(step: &'static str, out: &crate::Result<()>) {
+        let mut last = LAST.lock().unwrap_or_else(|e| e.into_inner());
+        if last.as_ref().is_some_and(|p| p.step == step) {
+            if let Some(p) = last.take() {
+                p.state.lock().unwrap_or_else(|e| e.into_inner()).outcome =
+                    Some(out.clone().map_err(|e| e.to_string()));
+            }
+        }
+    }
+}
+
 fn ioctx(cluster: &Cluster, metrics: &dyn CephObserver, vol: &VolumeId) -> crate::Result<IoCtx> {
     timed(metrics, "ioctx", || {
         cluster.ioctx_ns(&vol.pool, &vol.rados_namespace)
@@ -196,6 +303,7 @@ fn check_owner(
 pub fn ensure_image(
     cluster: &Cluster,
     metrics: &dyn CephObserver,
+    fence: &dyn Fence,
     vol: &VolumeId,
     size: u64,
     options: &ImageOptions,
@@ -210,12 +318,15 @@ pub fn ensure_image(
     }
     check_pool_quota(cluster, metrics, vol, size)?;
     let temp = format!("{}{TEMP_SUFFIX}", vol.image);
-    let image = create_temp(&io, metrics, &temp, size, options)?;
+    let temp_obj = format!("{vol}{TEMP_SUFFIX}");
+    let image = create_temp(&io, metrics, fence, &temp, &temp_obj, size, options)?;
     for (k, v) in owner.pairs() {
+        fenced(fence, "rbd_metadata_set", &temp_obj)?;
         timed(metrics, "metadata_set", || image.metadata_set(k, v))?;
     }
     let current = timed(metrics, "size", || image.size())?;
     timed(metrics, "close", || image.close())?;
+    fenced(fence, "rbd_rename", &temp_obj)?;
     match timed(metrics, "rename", || rbd::rename(&io, &temp, &vol.image)) {
         Ok(()) => Ok(current),
         // Someone (an earlier leader) finished first: check what is there.
@@ -279,13 +390,16 @@ fn check_pool_quota(
 fn create_temp(
     io: &IoCtx,
     metrics: &dyn CephObserver,
+    fence: &dyn Fence,
     temp: &str,
+    temp_obj: &str,
     size: u64,
     options: &ImageOptions,
 ) -> Result<Image, VolumeError> {
     let mut attempts = 0;
     loop {
         attempts += 1;
+        fenced(fence, "rbd_create4", temp_obj)?;
         match timed(metrics, "create", || rbd::create(io, temp, size, options)) {
             Ok(()) => {}
             Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
@@ -298,6 +412,7 @@ fn create_temp(
                     image = temp,
                     "removing a half-created image left by an interrupted create"
                 );
+                fenced(fence, "rbd_remove", temp_obj)?;
                 match timed(metrics, "remove", || rbd::remove(io, temp)) {
                     Ok(()) => {}
                     Err(e) if e.kind() == ErrorKind::NotFound => {}
@@ -338,6 +453,7 @@ pub enum Deleted {
 pub fn delete_image(
     cluster: &Cluster,
     metrics: &dyn CephObserver,
+    fence: &dyn Fence,
     vol: &VolumeId,
     provisioner: &str,
     pv_name: &str,
@@ -346,10 +462,16 @@ pub fn delete_image(
     let temp = format!("{}{TEMP_SUFFIX}", vol.image);
     let mut outcome = Deleted::AlreadyGone;
     for name in [vol.image.as_str(), temp.as_str()] {
+        let object = if name == temp {
+            format!("{vol}{TEMP_SUFFIX}")
+        } else {
+            vol.to_string()
+        };
         let Some(image) = open_if_exists(&io, metrics, name)? else {
             if name == temp {
                 // A create killed half-way leaves a name that cannot be
                 // opened; remove cleans that up too.
+                fenced(fence, "rbd_remove", &object)?;
                 match timed(metrics, "remove", || rbd::remove(&io, name)) {
                     Ok(()) => outcome = Deleted::Removed,
                     Err(e) if e.kind() == ErrorKind::NotFound => {}
@@ -383,6 +505,7 @@ pub fn delete_image(
         }
         let id = timed(metrics, "id", || image.id())?;
         drop(image);
+        fenced(fence, "rbd_remove", &object)?;
         match timed(metrics, "remove", || rbd::remove(&io, name)) {
             Ok(()) => outcome = Deleted::Removed,
             Err(e) if e.kind() == ErrorKind::NotFound => {}
@@ -396,10 +519,11 @@ pub fn delete_image(
                 })
             }
             Err(e) if matches!(e.kind(), ErrorKind::HasSnapshots | ErrorKind::Busy) => {
+                fenced(fence, "rbd_trash_move", &object)?;
                 timed(metrics, "trash_move", || {
                     rbd::trash_move(&io, name, Duration::ZERO)
                 })?;
-                purge(&io, metrics, name, &id)?;
+                purge(&io, metrics, fence, name, &object, &id)?;
                 outcome = Deleted::Purged;
             }
             Err(e) => return Err(e.into()),
@@ -419,7 +543,7 @@ pub fn delete_image(
             })?;
             check_owner(&img, metrics, provisioner, pv_name)?;
             drop(img);
-            purge(&io, metrics, &vol.image, &entry.id)?;
+            purge(&io, metrics, fence, &vol.image, &vol.to_string(), &entry.id)?;
             outcome = Deleted::Purged;
         }
     }
@@ -436,7 +560,15 @@ fn has_snapshots_or_children(io: &IoCtx, metrics: &dyn CephObserver, name: &str)
     }
 }
 
-fn purge(io: &IoCtx, metrics: &dyn CephObserver, name: &str, id: &str) -> Result<(), VolumeError> {
+fn purge(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    fence: &dyn Fence,
+    name: &str,
+    object: &str,
+    id: &str,
+) -> Result<(), VolumeError> {
+    fenced(fence, "rbd_trash_remove", object)?;
     match timed(metrics, "trash_remove", || rbd::trash_remove(io, id, true)) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
@@ -455,6 +587,7 @@ fn purge(io: &IoCtx, metrics: &dyn CephObserver, name: &str, id: &str) -> Result
 pub fn expand_image(
     cluster: &Cluster,
     metrics: &dyn CephObserver,
+    fence: &dyn Fence,
     vol: &VolumeId,
     provisioner: &str,
     pv_name: &str,
@@ -480,6 +613,7 @@ pub fn expand_image(
         });
     }
     if size > current {
+        fenced(fence, "rbd_resize2", &vol.to_string())?;
         timed(metrics, "resize", || image.resize(size))?;
     }
     timed(metrics, "close", || image.close())?;
