@@ -2,7 +2,6 @@
 //! whether it is ready.
 
 use std::collections::HashMap;
-use std::net::ToSocketAddrs;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -67,30 +66,7 @@ pub fn monitors_reachable(driver: &Driver, timeout: Duration) -> Result<(), Stri
 }
 
 fn mon_reachable(mon: &str, timeout: Duration) -> bool {
-    // ceph-csi monitors may be "host", "host:port" or "[v2:addr,v1:addr]".
-    let mon = mon.trim().trim_start_matches('[').trim_end_matches(']');
-    let first = mon.split(',').next().unwrap_or(mon);
-    let addr = first
-        .trim_start_matches("v2:")
-        .trim_start_matches("v1:")
-        .split('/')
-        .next()
-        .unwrap_or(first);
-    let with_port = if addr
-        .rsplit_once(':')
-        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
-        && !addr.ends_with(']')
-    {
-        addr.to_owned()
-    } else {
-        format!("{addr}:6789")
-    };
-    let Ok(addrs) = with_port.to_socket_addrs() else {
-        return false;
-    };
-    addrs
-        .into_iter()
-        .any(|a| std::net::TcpStream::connect_timeout(&a, timeout).is_ok())
+    crate::volume::clusters::monitor_reachable(mon, timeout)
 }
 
 #[tonic::async_trait]

@@ -1,7 +1,9 @@
 //! The HTTP endpoints for the kubelet and Prometheus: `/healthz` (the process
 //! serves requests), `/readyz` (the caches have synced and this replica holds
-//! the lease) and `/metrics` (the Prometheus text format).
+//! the lease; still 200 but `degraded: …` naming them while some Ceph
+//! clusters are unreachable) and `/metrics` (the Prometheus text format).
 
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -18,6 +20,7 @@ use prometheus_client::registry::Registry;
 pub struct Health {
     leader: Arc<AtomicBool>,
     synced: Arc<AtomicBool>,
+    unreachable: Arc<std::sync::Mutex<BTreeSet<String>>>,
     registry: Arc<std::sync::Mutex<Registry>>,
 }
 
@@ -36,6 +39,7 @@ impl Health {
         Health {
             leader: Arc::default(),
             synced: Arc::default(),
+            unreachable: Arc::default(),
             registry: Arc::new(std::sync::Mutex::new(registry)),
         }
     }
@@ -48,6 +52,26 @@ impl Health {
     /// Records whether the controllers' caches have synced.
     pub fn set_synced(&self, synced: bool) {
         self.synced.store(synced, Ordering::SeqCst);
+    }
+
+    /// Records whether the Ceph cluster `cluster_id` is reachable.
+    pub fn set_cluster_reachable(&self, cluster_id: &str, reachable: bool) {
+        let mut set = self.unreachable.lock().unwrap_or_else(|e| e.into_inner());
+        if reachable {
+            set.remove(cluster_id);
+        } else {
+            set.insert(cluster_id.to_owned());
+        }
+    }
+
+    /// The Ceph clusters currently unreachable, sorted.
+    pub fn unreachable_clusters(&self) -> Vec<String> {
+        self.unreachable
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .cloned()
+            .collect()
     }
 
     /// Whether this replica holds the lease.
@@ -105,9 +129,23 @@ impl Health {
 
 async fn readyz(State(h): State<Health>) -> impl IntoResponse {
     match (h.is_leader(), h.is_synced()) {
-        (true, true) => (StatusCode::OK, "ok"),
-        (false, _) => (StatusCode::SERVICE_UNAVAILABLE, "not the leader"),
-        (true, false) => (StatusCode::SERVICE_UNAVAILABLE, "caches not synced"),
+        (true, true) => {
+            // Still ready: the other clusters are served.
+            let down = h.unreachable_clusters();
+            if down.is_empty() {
+                (StatusCode::OK, "ok".to_owned())
+            } else {
+                (
+                    StatusCode::OK,
+                    format!("degraded: Ceph cluster(s) unreachable: {}", down.join(", ")),
+                )
+            }
+        }
+        (false, _) => (StatusCode::SERVICE_UNAVAILABLE, "not the leader".to_owned()),
+        (true, false) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "caches not synced".to_owned(),
+        ),
     }
 }
 

@@ -17,6 +17,13 @@ pub struct ClassLabels {
     pub class: String,
 }
 
+/// Labels of the per-cluster metrics.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClusterLabels {
+    /// The clusterID.
+    pub cluster: String,
+}
+
 /// Labels of the Ceph call durations.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OpLabels {
@@ -49,6 +56,7 @@ pub struct Metrics {
     resize_failed_total: Family<ClassLabels, Counter>,
     ceph_op_duration: HistogramFamily<OpLabels>,
     ceph_connections: Gauge,
+    cluster_reachable: Family<ClusterLabels, Gauge>,
     leader: Gauge,
 }
 
@@ -66,6 +74,7 @@ impl Metrics {
             resize_failed_total: Family::default(),
             ceph_op_duration: Family::new_with_constructor(op_histogram),
             ceph_connections: Gauge::default(),
+            cluster_reachable: Family::default(),
             leader: Gauge::default(),
         };
         // Counters get their `_total` suffix from the encoder.
@@ -118,6 +127,11 @@ impl Metrics {
             "rbdkit_ceph_connections",
             "Open Ceph connections, one per cluster and user",
             m.ceph_connections.clone(),
+        );
+        registry.register(
+            "rbdkit_cluster_reachable",
+            "1 while some monitor of the Ceph cluster answers, 0 while none does",
+            m.cluster_reachable.clone(),
         );
         registry.register(
             "rbdkit_leader",
@@ -189,6 +203,15 @@ impl Metrics {
     /// Sets the number of open Ceph connections.
     pub fn set_connections(&self, n: usize) {
         self.ceph_connections.set(n as i64);
+    }
+
+    /// Sets whether the Ceph cluster `cluster` is reachable.
+    pub fn set_cluster_reachable(&self, cluster: &str, reachable: bool) {
+        self.cluster_reachable
+            .get_or_create(&ClusterLabels {
+                cluster: cluster.to_owned(),
+            })
+            .set(i64::from(reachable));
     }
 
     /// Sets whether this replica leads.

@@ -109,6 +109,11 @@ pub struct ProvisionerArgs {
     #[arg(long, default_value = "5m")]
     pub ceph_idle_timeout: humantime::Duration,
 
+    /// How often the monitors of every configured cluster are probed; the
+    /// connections of a cluster none of whose monitors answer are shut down.
+    #[arg(long, default_value = "5s")]
+    pub ceph_health_interval: humantime::Duration,
+
     /// How often the clusters config file is checked for changes.
     #[arg(long, default_value = "5s")]
     pub config_poll: humantime::Duration,
@@ -140,6 +145,26 @@ pub struct ProvisionerArgs {
     /// How long in-flight work may take to finish on shutdown.
     #[arg(long, default_value = "30s")]
     pub shutdown_grace: humantime::Duration,
+}
+
+/// Where the connection cache reports: the metrics, and `/readyz` for
+/// unreachable clusters.
+struct Observer {
+    metrics: Metrics,
+    health: Health,
+}
+
+impl crate::volume::CephObserver for Observer {
+    fn ceph_op(&self, op: &str, started: std::time::Instant) {
+        self.metrics.ceph_op(op, started);
+    }
+    fn set_connections(&self, n: usize) {
+        self.metrics.set_connections(n);
+    }
+    fn cluster_reachable(&self, cluster_id: &str, reachable: bool) {
+        self.metrics.set_cluster_reachable(cluster_id, reachable);
+        self.health.set_cluster_reachable(cluster_id, reachable);
+    }
 }
 
 /// Runs the provisioner until SIGTERM or SIGINT.
@@ -201,7 +226,10 @@ pub async fn run_until(
         pool.clone(),
         args.ceph_connect_timeout.into(),
         args.ceph_op_timeout.into(),
-        Arc::new(metrics.clone()),
+        Arc::new(Observer {
+            metrics: metrics.clone(),
+            health: health.clone(),
+        }),
     ));
     let identity = args
         .leader_election_identity
@@ -230,6 +258,11 @@ pub async fn run_until(
     tokio::spawn(
         Arc::clone(&conns).reap_idle(args.ceph_idle_timeout.into(), stopped(stop_rx.clone())),
     );
+    tokio::spawn(Arc::clone(&conns).check_health(
+        Arc::clone(&clusters),
+        args.ceph_health_interval.into(),
+        stopped(stop_rx.clone()),
+    ));
 
     // Leadership.
     let (leader_tx, leader_rx) = watch::channel(false);

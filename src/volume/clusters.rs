@@ -17,6 +17,14 @@
 //! has been idle a while, and rebuilt when a call shows it is broken or the
 //! Secret's key changed. Keys live only in memory, inside
 //! [`crate::rados::Secret`].
+//!
+//! A cluster that has gone away must not keep librados' messenger threads
+//! hunting for monitors: [`Connections::check_health`] probes the monitors
+//! of every configured cluster (TCP, no credentials) and shuts the cached
+//! connections of an unreachable one down. Connecting to a cluster marked
+//! unreachable is then refused until its backoff has passed (capped
+//! exponential, one attempt in flight at a time), and allowed at once when
+//! a probe sees its monitors again.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -292,10 +300,75 @@ pub fn is_connection_error(e: &Error) -> bool {
     }
 }
 
+/// What is known of a cluster's reachability.
+#[derive(Debug)]
+struct Reach {
+    reachable: bool,
+    failures: u32,
+    retry_at: Option<Instant>,
+    /// When the attempt in flight started (a cancelled one expires).
+    connecting: Option<Instant>,
+    why: String,
+}
+
+impl Default for Reach {
+    fn default() -> Self {
+        Reach {
+            reachable: true,
+            failures: 0,
+            retry_at: None,
+            connecting: None,
+            why: String::new(),
+        }
+    }
+}
+
+/// Backoff between connect attempts to an unreachable cluster.
+const RECONNECT_BASE: Duration = Duration::from_secs(1);
+/// The longest backoff between connect attempts.
+const RECONNECT_MAX: Duration = Duration::from_secs(60);
+
+fn reconnect_delay(failures: u32) -> Duration {
+    RECONNECT_BASE
+        .saturating_mul(1u32 << failures.saturating_sub(1).min(16))
+        .min(RECONNECT_MAX)
+}
+
+/// Whether a monitor address (ceph-csi forms: `host`, `host:port`,
+/// `[v2:addr:port/0,v1:addr:port/0]`) accepts a TCP connection within
+/// `timeout`. Blocking (name lookup, `connect`).
+pub fn monitor_reachable(mon: &str, timeout: Duration) -> bool {
+    use std::net::ToSocketAddrs;
+    let mon = mon.trim().trim_start_matches('[').trim_end_matches(']');
+    let first = mon.split(',').next().unwrap_or(mon);
+    let addr = first
+        .trim_start_matches("v2:")
+        .trim_start_matches("v1:")
+        .split('/')
+        .next()
+        .unwrap_or(first);
+    let with_port = if addr
+        .rsplit_once(':')
+        .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
+        && !addr.ends_with(']')
+    {
+        addr.to_owned()
+    } else {
+        format!("{addr}:6789")
+    };
+    let Ok(addrs) = with_port.to_socket_addrs() else {
+        return false;
+    };
+    addrs
+        .into_iter()
+        .any(|a| std::net::TcpStream::connect_timeout(&a, timeout).is_ok())
+}
+
 /// The connection cache.
 pub struct Connections {
     pool: BlockingPool,
     slots: Mutex<HashMap<ConnKey, Arc<Slot>>>,
+    reach: Mutex<HashMap<String, Reach>>,
     connect_timeout: Duration,
     op_timeout: Duration,
     metrics: Arc<dyn CephObserver>,
@@ -320,6 +393,7 @@ impl Connections {
         Connections {
             pool,
             slots: Mutex::new(HashMap::new()),
+            reach: Mutex::new(HashMap::new()),
             connect_timeout,
             op_timeout,
             metrics,
@@ -364,6 +438,7 @@ impl Connections {
                 // rados_shutdown may block: not on the runtime.
                 drop(tokio::task::spawn_blocking(move || drop(old)));
             }
+            self.begin_connect(&key.cluster_id)?;
             let options = ConnectOptions::new()
                 .mon_host(key.monitors.clone())
                 .user(creds.user.clone())
@@ -373,6 +448,7 @@ impl Connections {
             let started = Instant::now();
             let connected = self.pool.run(move || options.connect()).await;
             self.metrics.ceph_op("connect", started);
+            self.end_connect(&key.cluster_id, connected.as_ref().err());
             match connected {
                 Ok(cluster) => {
                     tracing::info!(cluster = %key.cluster_id, user = %key.user, "connected to Ceph");
@@ -402,6 +478,166 @@ impl Connections {
                     key.cluster_id,
                 ))
             }
+        }
+    }
+
+    /// Refuses a connect to a cluster known to be unreachable until its
+    /// backoff has passed, and lets only one attempt run at a time.
+    fn begin_connect(&self, cluster_id: &str) -> crate::Result<()> {
+        let mut reach = self.reach.lock().unwrap_or_else(|e| e.into_inner());
+        let r = reach.entry(cluster_id.to_owned()).or_default();
+        if r.reachable {
+            return Ok(());
+        }
+        let now = Instant::now();
+        let wait = r.retry_at.map(|t| t.saturating_duration_since(now));
+        let in_flight = r
+            .connecting
+            .is_some_and(|t| t.elapsed() < self.connect_timeout.saturating_mul(2));
+        if in_flight || wait.is_some_and(|w| !w.is_zero()) {
+            let when = match wait {
+                Some(w) if !w.is_zero() => format!("next attempt in {}s", w.as_secs().max(1)),
+                _ => "an attempt is in progress".to_owned(),
+            };
+            return Err(
+                Error::from_errno(libc::ENOTCONN, "rados_connect", cluster_id)
+                    .detail(format!("Ceph cluster is unreachable ({}); {when}", r.why)),
+            );
+        }
+        r.connecting = Some(now);
+        Ok(())
+    }
+
+    fn end_connect(&self, cluster_id: &str, failed: Option<&Error>) {
+        let changed = {
+            let mut reach = self.reach.lock().unwrap_or_else(|e| e.into_inner());
+            let r = reach.entry(cluster_id.to_owned()).or_default();
+            r.connecting = None;
+            match failed {
+                None => {
+                    let was = r.reachable;
+                    *r = Reach::default();
+                    !was
+                }
+                // A refused key or a missing pool says nothing about reachability.
+                Some(e) if !is_connection_error(e) => false,
+                Some(e) => Self::failed(r, e.to_string()),
+            }
+        };
+        if changed {
+            self.metrics.cluster_reachable(cluster_id, failed.is_none());
+        }
+    }
+
+    /// Records a failure; returns whether the cluster just became unreachable.
+    fn failed(r: &mut Reach, why: String) -> bool {
+        let was = r.reachable;
+        r.reachable = false;
+        r.failures = r.failures.saturating_add(1);
+        r.retry_at = Some(Instant::now() + reconnect_delay(r.failures));
+        r.why = why;
+        was
+    }
+
+    /// The ids of the clusters currently marked unreachable, sorted.
+    pub fn unreachable(&self) -> Vec<String> {
+        let reach = self.reach.lock().unwrap_or_else(|e| e.into_inner());
+        let mut ids: Vec<String> = reach
+            .iter()
+            .filter(|(_, r)| !r.reachable)
+            .map(|(id, _)| id.clone())
+            .collect();
+        ids.sort();
+        ids
+    }
+
+    /// Probes the monitors of every cluster in `config` once (each probe
+    /// bounded by `timeout`), records the result, and shuts down the cached
+    /// connections of the clusters none of whose monitors answer.
+    pub async fn check_clusters(&self, config: &ClustersConfig, timeout: Duration) {
+        let probes = config.ids().into_iter().filter_map(|id| {
+            let mons = config.get(&id)?.monitors.clone();
+            Some(async move {
+                let ok = tokio::task::spawn_blocking(move || {
+                    mons.iter().any(|m| monitor_reachable(m, timeout))
+                })
+                .await
+                .unwrap_or(false);
+                (id, ok)
+            })
+        });
+        for (id, ok) in futures::future::join_all(probes).await {
+            let (changed, now_reachable) = {
+                let mut reach = self.reach.lock().unwrap_or_else(|e| e.into_inner());
+                let r = reach.entry(id.clone()).or_default();
+                if ok {
+                    // Seen again: reconnect on demand at once.
+                    let was = r.reachable;
+                    r.reachable = true;
+                    r.failures = 0;
+                    r.retry_at = None;
+                    (!was, true)
+                } else {
+                    let changed = Self::failed(r, "no monitor answers".to_owned());
+                    (changed, false)
+                }
+            };
+            self.metrics.cluster_reachable(&id, now_reachable);
+            if changed && now_reachable {
+                tracing::info!(cluster = %id, "Ceph cluster reachable again");
+            }
+            if !now_reachable {
+                self.shut_down(&id, changed);
+            }
+        }
+    }
+
+    /// Shuts the idle cached connections of `cluster_id` down (off the
+    /// runtime threads, and not under the map lock); one in use is marked
+    /// broken instead and goes when its user is done.
+    fn shut_down(&self, cluster_id: &str, log: bool) {
+        let slots: Vec<Arc<Slot>> = {
+            let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+            slots
+                .iter()
+                .filter(|(k, _)| k.cluster_id == cluster_id)
+                .map(|(_, s)| Arc::clone(s))
+                .collect()
+        };
+        let mut closed = Vec::new();
+        for slot in slots {
+            slot.broken.store(true, Ordering::SeqCst);
+            if let Ok(mut live) = slot.live.try_lock() {
+                closed.extend(live.take());
+            }
+        }
+        if log || !closed.is_empty() {
+            tracing::warn!(cluster = %cluster_id, closed = closed.len(), "Ceph cluster unreachable: no monitor answers; its connections are shut down until it is back");
+        }
+        if !closed.is_empty() {
+            match tokio::runtime::Handle::try_current() {
+                Ok(rt) => drop(rt.spawn_blocking(move || drop(closed))),
+                Err(_) => drop(closed),
+            }
+        }
+    }
+
+    /// Runs [`Connections::check_clusters`] on the current config every
+    /// `every` until `shutdown`.
+    pub async fn check_health(
+        self: Arc<Self>,
+        clusters: Arc<ClustersFile>,
+        every: Duration,
+        shutdown: impl std::future::Future<Output = ()>,
+    ) {
+        tokio::pin!(shutdown);
+        let timeout = (every / 2).clamp(Duration::from_millis(100), Duration::from_secs(3));
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+            self.check_clusters(&clusters.config(), timeout).await;
         }
     }
 

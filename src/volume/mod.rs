@@ -52,6 +52,8 @@ pub trait CephObserver: Send + Sync {
     fn ceph_op(&self, op: &str, started: Instant);
     /// The connection cache now holds `n` connections.
     fn set_connections(&self, n: usize);
+    /// The Ceph cluster `cluster_id` is (or is no longer) reachable.
+    fn cluster_reachable(&self, _cluster_id: &str, _reachable: bool) {}
 }
 
 /// Permission to make one change to Ceph, asked for immediately before each

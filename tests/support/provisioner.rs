@@ -647,6 +647,11 @@ impl ChildProvisioner {
         }
     }
 
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
     /// Whether it is still running.
     pub fn running(&mut self) -> bool {
         match self.child.as_mut() {
