@@ -777,6 +777,46 @@ mod tests {
     }
 
     #[test]
+    fn an_unreachable_cluster_is_retried_after_a_capped_backoff_one_attempt_at_a_time() {
+        assert_eq!(reconnect_delay(1), Duration::from_secs(1));
+        assert_eq!(reconnect_delay(3), Duration::from_secs(4));
+        assert_eq!(reconnect_delay(40), RECONNECT_MAX);
+        let c = Connections::new(
+            BlockingPool::new(1),
+            Duration::from_secs(1),
+            Duration::from_secs(1),
+            Arc::new(crate::volume::NoMetrics),
+        );
+        // Reachable (or unknown): connects are never held back.
+        c.begin_connect("a").unwrap();
+        c.begin_connect("a").unwrap();
+        // A refused key says nothing about reachability.
+        c.end_connect(
+            "a",
+            Some(&Error::from_errno(libc::EPERM, "rados_connect", "a")),
+        );
+        assert!(c.unreachable().is_empty());
+        c.end_connect(
+            "a",
+            Some(&Error::from_errno(libc::ETIMEDOUT, "rados_connect", "a")),
+        );
+        assert_eq!(c.unreachable(), vec!["a".to_owned()]);
+        let e = c.begin_connect("a").unwrap_err();
+        assert!(
+            e.to_string().contains("unreachable") && e.to_string().contains("next attempt in"),
+            "{e}"
+        );
+        // Once the backoff has passed, exactly one attempt may run.
+        c.reach.lock().unwrap().get_mut("a").unwrap().retry_at = Some(Instant::now());
+        c.begin_connect("a").unwrap();
+        let e = c.begin_connect("a").unwrap_err();
+        assert!(e.to_string().contains("in progress"), "{e}");
+        c.end_connect("a", None);
+        assert!(c.unreachable().is_empty());
+        c.begin_connect("a").unwrap();
+    }
+
+    #[test]
     fn classifies_connection_errors() {
         assert!(is_connection_error(&Error::from_errno(
             libc::ETIMEDOUT,
