@@ -17,7 +17,7 @@ use rbdkit::volume::clusters::{ClusterInfo, Connections, Credentials};
 use rbdkit::volume::ops::{
     delete_image, ensure_image, expand_image, Deleted, Owner, VolumeError, TEMP_SUFFIX,
 };
-use rbdkit::volume::VolumeId;
+use rbdkit::volume::{NoFence, VolumeId};
 use rbdkit::{Error, ErrorKind};
 
 use support::ceph::{cluster, TestCluster, TestNs, POOL};
@@ -143,16 +143,16 @@ fn image_operations_check_ownership_and_are_idempotent() {
     let opts = ImageOptions::new();
     // Create, and create again: same image.
     assert_eq!(
-        ensure_image(&c, &m, &vol, 8 << 20, &opts, &owner("pvc-1")).unwrap(),
+        ensure_image(&c, &m, &NoFence, &vol, 8 << 20, &opts, &owner("pvc-1")).unwrap(),
         8 << 20
     );
     assert_eq!(
-        ensure_image(&c, &m, &vol, 8 << 20, &opts, &owner("pvc-1")).unwrap(),
+        ensure_image(&c, &m, &NoFence, &vol, 8 << 20, &opts, &owner("pvc-1")).unwrap(),
         8 << 20
     );
     assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec!["pvc-1"]);
     // Someone else's claim on the same name: refused.
-    let e = ensure_image(&c, &m, &vol, 8 << 20, &opts, &owner("pvc-2")).unwrap_err();
+    let e = ensure_image(&c, &m, &NoFence, &vol, 8 << 20, &opts, &owner("pvc-2")).unwrap_err();
     assert!(matches!(e, VolumeError::NotOwned { .. }), "{e}");
 
     // A create cut short (temporary image, no metadata yet) is adopted.
@@ -162,7 +162,7 @@ fn image_operations_check_ownership_and_are_idempotent() {
     };
     rbd::create(&ns.ioctx, &format!("pvc-2{TEMP_SUFFIX}"), 4 << 20, &opts).unwrap();
     assert_eq!(
-        ensure_image(&c, &m, &vol2, 4 << 20, &opts, &owner("pvc-2")).unwrap(),
+        ensure_image(&c, &m, &NoFence, &vol2, 4 << 20, &opts, &owner("pvc-2")).unwrap(),
         4 << 20
     );
     assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec!["pvc-1", "pvc-2"]);
@@ -174,15 +174,24 @@ fn image_operations_check_ownership_and_are_idempotent() {
         ..vol.clone()
     };
     assert!(matches!(
-        expand_image(&c, &m, &foreign, "p.rbdkit.test", "foreign", 8 << 20).unwrap_err(),
+        expand_image(
+            &c,
+            &m,
+            &NoFence,
+            &foreign,
+            "p.rbdkit.test",
+            "foreign",
+            8 << 20
+        )
+        .unwrap_err(),
         VolumeError::NotOwned { .. }
     ));
     assert!(matches!(
-        delete_image(&c, &m, &foreign, "p.rbdkit.test", "foreign").unwrap_err(),
+        delete_image(&c, &m, &NoFence, &foreign, "p.rbdkit.test", "foreign").unwrap_err(),
         VolumeError::NotOwned { .. }
     ));
     assert!(matches!(
-        delete_image(&c, &m, &vol, "p.rbdkit.test", "pvc-other").unwrap_err(),
+        delete_image(&c, &m, &NoFence, &vol, "p.rbdkit.test", "pvc-other").unwrap_err(),
         VolumeError::NotOwned { .. }
     ));
     assert_eq!(
@@ -195,31 +204,31 @@ fn image_operations_check_ownership_and_are_idempotent() {
 
     // Expand: grow, same size again is fine, smaller is refused.
     assert_eq!(
-        expand_image(&c, &m, &vol, "p.rbdkit.test", "pvc-1", 16 << 20).unwrap(),
+        expand_image(&c, &m, &NoFence, &vol, "p.rbdkit.test", "pvc-1", 16 << 20).unwrap(),
         16 << 20
     );
     assert_eq!(
-        expand_image(&c, &m, &vol, "p.rbdkit.test", "pvc-1", 16 << 20).unwrap(),
+        expand_image(&c, &m, &NoFence, &vol, "p.rbdkit.test", "pvc-1", 16 << 20).unwrap(),
         16 << 20
     );
     assert!(matches!(
-        expand_image(&c, &m, &vol, "p.rbdkit.test", "pvc-1", 8 << 20).unwrap_err(),
+        expand_image(&c, &m, &NoFence, &vol, "p.rbdkit.test", "pvc-1", 8 << 20).unwrap_err(),
         VolumeError::ShrinkRefused { .. }
     ));
 
     // Delete: in use is refused, then removed, then already gone.
     let held = Image::open(&ns.ioctx, "pvc-1").unwrap();
     assert!(matches!(
-        delete_image(&c, &m, &vol, "p.rbdkit.test", "pvc-1").unwrap_err(),
+        delete_image(&c, &m, &NoFence, &vol, "p.rbdkit.test", "pvc-1").unwrap_err(),
         VolumeError::InUse { .. }
     ));
     held.close().unwrap();
     assert_eq!(
-        delete_image(&c, &m, &vol, "p.rbdkit.test", "pvc-1").unwrap(),
+        delete_image(&c, &m, &NoFence, &vol, "p.rbdkit.test", "pvc-1").unwrap(),
         Deleted::Removed
     );
     assert_eq!(
-        delete_image(&c, &m, &vol, "p.rbdkit.test", "pvc-1").unwrap(),
+        delete_image(&c, &m, &NoFence, &vol, "p.rbdkit.test", "pvc-1").unwrap(),
         Deleted::AlreadyGone
     );
     assert_eq!(
@@ -241,7 +250,7 @@ fn a_trash_entry_whose_owner_cannot_be_checked_is_not_purged() {
     };
     let opts = ImageOptions::new();
     let trashed = |name: &str| -> String {
-        ensure_image(&c, &m, &vol(name), 4 << 20, &opts, &owner(name)).unwrap();
+        ensure_image(&c, &m, &NoFence, &vol(name), 4 << 20, &opts, &owner(name)).unwrap();
         let id = Image::open_read_only(&ns.ioctx, name)
             .unwrap()
             .id()
@@ -259,7 +268,7 @@ fn a_trash_entry_whose_owner_cannot_be_checked_is_not_purged() {
     // Ours and readable: a retry finishes the purge.
     let id = trashed("pvc-t1");
     assert_eq!(
-        delete_image(&c, &m, &vol("pvc-t1"), "p.rbdkit.test", "pvc-t1").unwrap(),
+        delete_image(&c, &m, &NoFence, &vol("pvc-t1"), "p.rbdkit.test", "pvc-t1").unwrap(),
         Deleted::Purged
     );
     assert!(!in_trash(&id));
@@ -267,7 +276,7 @@ fn a_trash_entry_whose_owner_cannot_be_checked_is_not_purged() {
     // Its header is gone, so it cannot be opened: never force-purged.
     let id = trashed("pvc-t2");
     ns.ioctx.remove(&format!("rbd_header.{id}")).unwrap();
-    let e = delete_image(&c, &m, &vol("pvc-t2"), "p.rbdkit.test", "pvc-t2").unwrap_err();
+    let e = delete_image(&c, &m, &NoFence, &vol("pvc-t2"), "p.rbdkit.test", "pvc-t2").unwrap_err();
     assert!(matches!(e, VolumeError::NotOwned { .. }), "{e}");
     assert!(e.to_string().contains(&id), "{e}");
     assert!(
@@ -325,7 +334,7 @@ fn a_temporary_image_with_a_partial_owner_record_is_cleaned_up() {
         .unwrap();
     drop(img);
     assert_eq!(
-        delete_image(&c, &m, &vol, "p.rbdkit.test", "pvc-3").unwrap(),
+        delete_image(&c, &m, &NoFence, &vol, "p.rbdkit.test", "pvc-3").unwrap(),
         Deleted::Removed
     );
     assert!(rbd::list_names(&ns.ioctx).unwrap().is_empty());
@@ -336,7 +345,7 @@ fn a_temporary_image_with_a_partial_owner_record_is_cleaned_up() {
     img.metadata_set("rbdkit.provisioner", "someone.else")
         .unwrap();
     drop(img);
-    let e = delete_image(&c, &m, &vol, "p.rbdkit.test", "pvc-3").unwrap_err();
+    let e = delete_image(&c, &m, &NoFence, &vol, "p.rbdkit.test", "pvc-3").unwrap_err();
     assert!(matches!(e, VolumeError::NotOwned { .. }), "{e}");
     assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec![temp]);
 }

@@ -79,7 +79,7 @@ pub struct LeaderElector {
     renewed: Arc<Mutex<Option<std::time::Instant>>>,
 }
 
-/// The leader lease as a [`Fence`] for the volume operations.
+/// The leader lease as a [`Fence`](crate::volume::Fence) for the volume operations.
 ///
 /// A step may start only while this replica holds the lease and
 /// `last renew + lease duration − margin − step bound > now`, where the last
