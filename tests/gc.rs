@@ -156,7 +156,14 @@ async fn gc_lists_and_removes_exactly_the_provisioners_leftovers() {
     let bound: Vec<String> = [pv_a, pv_b]
         .iter()
         .map(|pv| {
-            let handle = &pv.spec.as_ref().unwrap().csi.as_ref().unwrap().volume_handle;
+            let handle = &pv
+                .spec
+                .as_ref()
+                .unwrap()
+                .csi
+                .as_ref()
+                .unwrap()
+                .volume_handle;
             VolumeId::parse(handle).unwrap().image
         })
         .collect();
@@ -164,7 +171,13 @@ async fn gc_lists_and_removes_exactly_the_provisioners_leftovers() {
     // Owned and referenced by a claim still being provisioned (no PV yet):
     // its class belongs to nobody, so it stays Pending.
     let pending = env
-        .claim("pending", "no-such-class", "8Mi", &["ReadWriteOnce"], "Filesystem")
+        .claim(
+            "pending",
+            "no-such-class",
+            "8Mi",
+            &["ReadWriteOnce"],
+            "Filesystem",
+        )
         .await;
     let in_flight = format!("pvc-{}", pending.metadata.uid.unwrap());
     owned_image(&env, &env.name, &in_flight);
@@ -194,7 +207,11 @@ async fn gc_lists_and_removes_exactly_the_provisioners_leftovers() {
     // image without a record; a foreign trash entry.
     image_with(&env, "pvc-plain", &[("owner", "someone-else")]);
     owned_image(&env, "other.rbdkit.test", "pvc-other");
-    image_with(&env, "pvc-partial", &[(META_PROVISIONER, env.name.as_str())]);
+    image_with(
+        &env,
+        "pvc-partial",
+        &[(META_PROVISIONER, env.name.as_str())],
+    );
     image_with(
         &env,
         "pvc-elsewhere",
@@ -220,7 +237,11 @@ async fn gc_lists_and_removes_exactly_the_provisioners_leftovers() {
     ]);
     let before = pool_state(&env);
     let mut all_images = kept_images.clone();
-    all_images.extend(set(&["pvc-orphan-1", "pvc-orphan-2", "pvc-temp.rbdkit-new"]));
+    all_images.extend(set(&[
+        "pvc-orphan-1",
+        "pvc-orphan-2",
+        "pvc-temp.rbdkit-new",
+    ]));
     assert_eq!(before.0, all_images);
     assert_eq!(before.1, set(&["pvc-trashed", "pvc-foreign-trash"]));
 
@@ -247,7 +268,10 @@ async fn gc_lists_and_removes_exactly_the_provisioners_leftovers() {
     let (_, text, _) = gc(&env, &[]);
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(lines.len(), 5, "{text}");
-    assert!(lines[..4].iter().all(|l| l.ends_with("would remove")), "{text}");
+    assert!(
+        lines[..4].iter().all(|l| l.ends_with("would remove")),
+        "{text}"
+    );
     assert!(
         lines[4].starts_with("summary: 1 pool(s) scanned; 4 to collect"),
         "{text}"

@@ -381,7 +381,7 @@ async fn every_bad_input_gets_an_event_and_creates_nothing() {
                     {"apiGroups": ["storage.k8s.io"], "resources": ["storageclasses"],
                      "verbs": ["get", "list", "watch"]},
                     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"],
-                     "resourceNames": ["ceph-admin", "no-key", "wrong-key", "missing"]},
+                     "resourceNames": ["ceph-provisioner", "no-key", "wrong-key", "missing"]},
                     {"apiGroups": ["events.k8s.io"], "resources": ["events"],
                      "verbs": ["create", "patch"]},
                     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],

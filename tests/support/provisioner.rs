@@ -93,8 +93,11 @@ pub struct Env {
     pub cluster_id: String,
     /// The RBD namespace the clusterID maps to.
     pub rbd: TestNs,
-    /// The Secret with the cephx credentials.
+    /// The Secret with the provisioner's cephx credentials (a user with
+    /// only `profile rbd` on the test pool).
     pub secret: String,
+    /// The Secret with the node's cephx credentials.
+    pub node_secret: String,
     dir: tempfile::TempDir,
     classes: Vec<String>,
 }
@@ -126,16 +129,27 @@ impl Env {
             .await
             .expect("create namespace");
         let secrets: Api<K8sSecret> = Api::namespaced(client.clone(), &id);
-        secrets
-            .create(
-                &PostParams::default(),
-                &from_json(json!({
-                    "metadata": {"name": "ceph-admin"},
-                    "stringData": {"userID": "admin", "userKey": ceph.admin_key()},
-                })),
-            )
-            .await
-            .expect("create secret");
+        // The provisioner and the node run as least-privileged users
+        // (deploy/README.md); the fixtures themselves use the admin.
+        for (name, user, key) in [
+            (
+                "ceph-provisioner",
+                super::ceph::PROVISIONER_USER,
+                super::ceph::provisioner_key(),
+            ),
+            ("ceph-node", super::ceph::NODE_USER, super::ceph::node_key()),
+        ] {
+            secrets
+                .create(
+                    &PostParams::default(),
+                    &from_json(json!({
+                        "metadata": {"name": name},
+                        "stringData": {"userID": user, "userKey": key},
+                    })),
+                )
+                .await
+                .expect("create secret");
+        }
         Env {
             client,
             kubeconfig: cp.kubeconfig_path().to_owned(),
@@ -143,7 +157,8 @@ impl Env {
             cluster_id: id.clone(),
             ns: id,
             rbd,
-            secret: "ceph-admin".into(),
+            secret: "ceph-provisioner".into(),
+            node_secret: "ceph-node".into(),
             dir,
             classes: Vec::new(),
         }
@@ -311,7 +326,10 @@ impl Env {
                 "csi.storage.k8s.io/controller-expand-secret-namespace",
                 &self.ns,
             ),
-            ("csi.storage.k8s.io/node-stage-secret-name", &self.secret),
+            (
+                "csi.storage.k8s.io/node-stage-secret-name",
+                &self.node_secret,
+            ),
             ("csi.storage.k8s.io/node-stage-secret-namespace", &self.ns),
         ] {
             p.insert(k.into(), json!(v));
