@@ -532,7 +532,17 @@ impl Drop for Env {
         let ns = self.ns.clone();
         let classes = std::mem::take(&mut self.classes);
         let name = self.name.clone();
+        let logs: Vec<PathBuf> = std::fs::read_dir(self.dir.path())
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        for log in logs
+            .iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "log"))
+        {
+            super::artifacts::copy(&format!("env-{}", self.ns), log);
+        }
         let cleanup = async move {
+            dump_for_key_grep(&client, &ns, &name).await;
             let pvs: Api<PersistentVolume> = Api::all(client.clone());
             if let Ok(list) = pvs.list(&ListParams::default()).await {
                 for pv in list.items {
@@ -586,6 +596,62 @@ impl Drop for Env {
             });
         }
     }
+}
+
+/// Saves the events, claims and PVs a test produced to the run's
+/// artifacts, for the key grep.
+async fn dump_for_key_grep(client: &kube::Client, ns: &str, driver: &str) {
+    if super::artifacts::dir().is_none() {
+        return;
+    }
+    let group = format!("env-{ns}");
+    let lp = ListParams::default();
+    let mut events = Vec::new();
+    for n in [ns, "default"] {
+        let api: Api<Event> = Api::namespaced(client.clone(), n);
+        if let Ok(list) = api.list(&lp).await {
+            events.extend(list.items.into_iter().filter(|e| {
+                n == ns
+                    || e.reporting_controller.as_deref() == Some(driver)
+                    || e.regarding
+                        .as_ref()
+                        .and_then(|r| r.name.as_deref())
+                        .is_some_and(|r| r.starts_with("pvc-") || r.starts_with(ns))
+            }));
+        }
+    }
+    let pvs: Api<PersistentVolume> = Api::all(client.clone());
+    let pvs: Vec<PersistentVolume> = pvs
+        .list(&lp)
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|pv| {
+            pv.spec
+                .as_ref()
+                .and_then(|s| s.csi.as_ref())
+                .is_some_and(|c| c.driver == driver)
+        })
+        .collect();
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    let claims = claims.list(&lp).await.map(|l| l.items).unwrap_or_default();
+    let pretty = |v: serde_json::Result<String>| v.unwrap_or_default();
+    super::artifacts::save(
+        &group,
+        "events.json",
+        pretty(serde_json::to_string_pretty(&events)).as_bytes(),
+    );
+    super::artifacts::save(
+        &group,
+        "pvs.json",
+        pretty(serde_json::to_string_pretty(&pvs)).as_bytes(),
+    );
+    super::artifacts::save(
+        &group,
+        "claims.json",
+        pretty(serde_json::to_string_pretty(&claims)).as_bytes(),
+    );
 }
 
 /// A provisioner running as a task of the test process.
@@ -706,6 +772,14 @@ impl Drop for ChildProvisioner {
             );
         }
         self.kill9();
+        // For the run's key grep.
+        let group = self
+            .log
+            .parent()
+            .and_then(|p| p.file_name())
+            .map(|n| format!("provisioner-{}", n.to_string_lossy()))
+            .unwrap_or_else(|| "provisioner".into());
+        super::artifacts::copy(&group, &self.log);
     }
 }
 
@@ -735,5 +809,12 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
         .split_once("\r\n\r\n")
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default();
+    if path.starts_with("/metrics") {
+        super::artifacts::save(
+            "metrics",
+            &super::artifacts::unique_name("metrics", "txt"),
+            body.as_bytes(),
+        );
+    }
     (code, body)
 }
