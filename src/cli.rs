@@ -15,6 +15,9 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::rados::{Cluster, ConnectOptions, IoCtx, Secret};
 use crate::rbd::{self, Features, Image, ImageOptions};
 
+pub mod gc;
+pub use gc::{run_gc, GcArgs};
+
 /// How to reach the cluster, shared by every subcommand.
 #[derive(Debug, Clone, Args)]
 pub struct ConnectArgs {

@@ -26,6 +26,8 @@ enum Command {
     Csi(rbdkit::csi::CsiArgs),
     /// Run the rbdkit-fuse mapper daemon (RBD images as loop devices over FUSE).
     FuseMapper(rbdkit::node::fuse_daemon::FuseMapperArgs),
+    /// List (and with --apply remove) the images a provisioner left behind.
+    Gc(rbdkit::cli::GcArgs),
 }
 
 fn main() -> ExitCode {
@@ -47,6 +49,7 @@ fn main() -> ExitCode {
         },
         Command::Provisioner(args) => serve(rbdkit::provisioner::run(args)),
         Command::Csi(args) => serve(rbdkit::csi::run(args)),
+        Command::Gc(args) => serve(rbdkit::cli::run_gc(args)),
     }
 }
 

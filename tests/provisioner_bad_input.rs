@@ -218,7 +218,8 @@ fn cases(quota_pool: &'static str) -> Vec<Case> {
             size: "128Mi",
             ..case(
                 "over-quota",
-                json!({"pool": quota_pool}),
+                json!({"pool": quota_pool,
+                       "csi.storage.k8s.io/provisioner-secret-name": "quota-user"}),
                 Box::leak(Box::new(["quota", quota_pool, "134217728 bytes"])),
             )
         },
@@ -341,6 +342,21 @@ async fn every_bad_input_gets_an_event_and_creates_nothing() {
     let quota_io = cluster().ioctx(quota_pool).expect("open quota pool");
     rbd::namespace_create(&quota_io, &env.rbd.name).expect("namespace in quota pool");
     let quota_ns = quota_io.with_namespace(&env.rbd.name).unwrap();
+    // The provisioner's restricted user may not use that pool; a user of
+    // this test's own may (the same profile on both pools).
+    let quota_user = unique("rbdkit-test-quota");
+    let quota_key = support::ceph::user_with_caps(
+        &quota_user,
+        &[
+            "mon".into(),
+            "profile rbd".into(),
+            "osd".into(),
+            format!(
+                "profile rbd pool={}, profile rbd pool={quota_pool}",
+                support::ceph::POOL
+            ),
+        ],
+    );
 
     // Secrets besides the good one: no key, a key cephx does not know, and
     // a good key the provisioner may not read.
@@ -352,6 +368,10 @@ async fn every_bad_input_gets_an_event_and_creates_nothing() {
             json!({"userID": "admin", "userKey": wrong_key}),
         ),
         ("hidden", json!({"userID": "admin", "userKey": admin_key})),
+        (
+            "quota-user",
+            json!({"userID": quota_user, "userKey": quota_key}),
+        ),
     ] {
         secrets
             .create(
@@ -381,7 +401,7 @@ async fn every_bad_input_gets_an_event_and_creates_nothing() {
                     {"apiGroups": ["storage.k8s.io"], "resources": ["storageclasses"],
                      "verbs": ["get", "list", "watch"]},
                     {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"],
-                     "resourceNames": ["ceph-admin", "no-key", "wrong-key", "missing"]},
+                     "resourceNames": ["ceph-provisioner", "no-key", "wrong-key", "missing", "quota-user"]},
                     {"apiGroups": ["events.k8s.io"], "resources": ["events"],
                      "verbs": ["create", "patch"]},
                     {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
@@ -605,6 +625,7 @@ async fn every_bad_input_gets_an_event_and_creates_nothing() {
     drop(quota_io);
     let _ = bindings.delete(&role_name, &DeleteParams::default()).await;
     let _ = roles.delete(&role_name, &DeleteParams::default()).await;
+    mon(json!({"prefix": "auth del", "entity": format!("client.{quota_user}")}));
     mon(
         json!({"prefix": "osd pool delete", "pool": quota_pool, "pool2": quota_pool,
                "yes_i_really_really_mean_it": true}),

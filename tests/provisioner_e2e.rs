@@ -85,11 +85,11 @@ async fn provisions_a_claim_and_deletes_it_with_its_image() {
     assert_eq!(vol.image, pv_name);
     assert_eq!(
         csi.node_stage_secret_ref.unwrap().name.as_deref(),
-        Some("ceph-admin")
+        Some("ceph-node")
     );
     assert_eq!(
         csi.controller_expand_secret_ref.unwrap().name.as_deref(),
-        Some("ceph-admin")
+        Some("ceph-provisioner")
     );
     // No key material anywhere in the PV.
     let text = serde_json::to_string(&pv).unwrap();

@@ -6,11 +6,13 @@
 //! - [`params`]: StorageClass / CSI parameters, validated;
 //! - [`id`]: the volume handle (`rbdkit1/cluster/pool/namespace/image`);
 //! - [`clusters`]: the ceph-csi clusters config and the connection cache;
-//! - [`ops`]: create, delete and expand, with ownership checks.
+//! - [`ops`]: create, delete and expand, with ownership checks;
+//! - [`gc`]: what a provisioner left behind, found and removed.
 //!
 //! Nothing here knows about Kubernetes objects; callers pass plain values.
 
 pub mod clusters;
+pub mod gc;
 pub mod id;
 pub mod ops;
 pub mod params;

@@ -155,6 +155,21 @@ impl VolumeError {
     }
 }
 
+/// Says which pool of which cluster may not be used, and the caps that
+/// takes: EPERM alone names neither.
+fn explain_denied(vol: &VolumeId, e: VolumeError) -> VolumeError {
+    match e {
+        VolumeError::Ceph(err) if err.kind() == ErrorKind::PermissionDenied => {
+            VolumeError::Ceph(err.detail(format!(
+                "permission denied: the Ceph user of this Secret may not use pool {} of \
+                 cluster {}; it needs osd 'profile rbd pool={}' (see deploy/README.md)",
+                vol.pool, vol.cluster_id, vol.pool
+            )))
+        }
+        e => e,
+    }
+}
+
 /// Times one Ceph call into `rbdkit_ceph_op_duration_seconds`.
 fn timed<T>(
     metrics: &dyn CephObserver,
@@ -309,6 +324,19 @@ pub fn ensure_image(
     options: &ImageOptions,
     owner: &Owner,
 ) -> Result<u64, VolumeError> {
+    ensure_image_steps(cluster, metrics, vol, size, options, owner)
+        .map_err(|e| explain_denied(vol, e))
+}
+
+// The steps of [`ensure_image`].
+fn ensure_image_steps(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    vol: &VolumeId,
+    size: u64,
+    options: &ImageOptions,
+    owner: &Owner,
+) -> Result<u64, VolumeError> {
     let io = ioctx(cluster, metrics, vol)?;
     // Already there (a retry after the PV create failed, or after a crash)?
     if let Some(existing) = open_if_exists(&io, metrics, &vol.image)? {
@@ -458,6 +486,18 @@ pub fn delete_image(
     provisioner: &str,
     pv_name: &str,
 ) -> Result<Deleted, VolumeError> {
+    delete_image_steps(cluster, metrics, vol, provisioner, pv_name)
+        .map_err(|e| explain_denied(vol, e))
+}
+
+// The steps of [`delete_image`].
+fn delete_image_steps(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    vol: &VolumeId,
+    provisioner: &str,
+    pv_name: &str,
+) -> Result<Deleted, VolumeError> {
     let io = ioctx(cluster, metrics, vol)?;
     let temp = format!("{}{TEMP_SUFFIX}", vol.image);
     let mut outcome = Deleted::AlreadyGone;
@@ -588,6 +628,19 @@ pub fn expand_image(
     cluster: &Cluster,
     metrics: &dyn CephObserver,
     fence: &dyn Fence,
+    vol: &VolumeId,
+    provisioner: &str,
+    pv_name: &str,
+    size: u64,
+) -> Result<u64, VolumeError> {
+    expand_image_steps(cluster, metrics, vol, provisioner, pv_name, size)
+        .map_err(|e| explain_denied(vol, e))
+}
+
+// The steps of [`expand_image`].
+fn expand_image_steps(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
     vol: &VolumeId,
     provisioner: &str,
     pv_name: &str,

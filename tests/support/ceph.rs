@@ -219,3 +219,80 @@ impl Drop for TestNs {
         }
     }
 }
+
+/// The cephx user the e2e tests run the provisioner as: only
+/// `profile rbd` on the test pool (see deploy/README.md).
+pub const PROVISIONER_USER: &str = "rbdkit-test-provisioner";
+/// The cephx user for the node side: the same profile on the test pool.
+pub const NODE_USER: &str = "rbdkit-test-node";
+/// A second RBD pool the restricted users may not use.
+pub const OTHER_POOL: &str = "rbd-other";
+
+/// The caps of [`PROVISIONER_USER`] (and [`NODE_USER`]), as `auth
+/// get-or-create` takes them: service, cap, service, cap.
+pub fn restricted_caps() -> Vec<String> {
+    vec![
+        "mon".into(),
+        "profile rbd".into(),
+        "osd".into(),
+        format!("profile rbd pool={POOL}"),
+    ]
+}
+
+fn mon_json(cmd: serde_json::Value) -> Result<Vec<u8>, rbdkit::Error> {
+    cluster()
+        .mon_command(&cmd.to_string(), &[])
+        .map(|r| r.output)
+}
+
+/// Makes (or brings to `caps`) the cephx user `client.<id>` with the admin
+/// connection, and returns its key. Idempotent; safe from several test
+/// processes at once.
+pub fn user_with_caps(id: &str, caps: &[String]) -> String {
+    let entity = format!("client.{id}");
+    let made = mon_json(serde_json::json!({
+        "prefix": "auth get-or-create", "entity": entity, "caps": caps, "format": "json",
+    }));
+    if made.is_err() {
+        // It exists with other caps: set them.
+        mon_json(serde_json::json!({"prefix": "auth caps", "entity": entity, "caps": caps}))
+            .unwrap_or_else(|e| panic!("auth caps {entity}: {e}"));
+    }
+    let out = mon_json(serde_json::json!({
+        "prefix": "auth get-key", "entity": entity, "format": "json",
+    }))
+    .unwrap_or_else(|e| panic!("auth get-key {entity}: {e}"));
+    let v: serde_json::Value = serde_json::from_slice(&out).expect("auth get-key output");
+    v["key"].as_str().expect("a key").to_owned()
+}
+
+/// [`PROVISIONER_USER`]'s key.
+pub fn provisioner_key() -> String {
+    static KEY: OnceLock<String> = OnceLock::new();
+    KEY.get_or_init(|| user_with_caps(PROVISIONER_USER, &restricted_caps()))
+        .clone()
+}
+
+/// [`NODE_USER`]'s key.
+pub fn node_key() -> String {
+    static KEY: OnceLock<String> = OnceLock::new();
+    KEY.get_or_init(|| user_with_caps(NODE_USER, &restricted_caps()))
+        .clone()
+}
+
+/// Makes [`OTHER_POOL`] (an initialised RBD pool) if it is not there.
+pub fn other_pool() {
+    static DONE: OnceLock<()> = OnceLock::new();
+    DONE.get_or_init(|| {
+        let c = cluster();
+        match c.pool_create(OTHER_POOL) {
+            Ok(()) => {}
+            Err(e) if e.kind() == rbdkit::ErrorKind::AlreadyExists => {}
+            Err(e) => panic!("create pool {OTHER_POOL}: {e}"),
+        }
+        let io = c.ioctx(OTHER_POOL).expect("open the other pool");
+        io.application_enable("rbd", true)
+            .expect("enable rbd on the other pool");
+        rbd::pool_init(&io, true).expect("rbd pool init");
+    });
+}

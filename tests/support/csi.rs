@@ -105,6 +105,14 @@ impl Drop for Daemon {
             );
         }
         self.kill9();
+        // For the run's key grep.
+        let group = self
+            .log
+            .parent()
+            .and_then(|p| p.file_name())
+            .map(|n| format!("csi-{}", n.to_string_lossy()))
+            .unwrap_or_else(|| "csi".into());
+        super::artifacts::copy(&group, &self.log);
     }
 }
 

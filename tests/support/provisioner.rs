@@ -93,8 +93,11 @@ pub struct Env {
     pub cluster_id: String,
     /// The RBD namespace the clusterID maps to.
     pub rbd: TestNs,
-    /// The Secret with the cephx credentials.
+    /// The Secret with the provisioner's cephx credentials (a user with
+    /// only `profile rbd` on the test pool).
     pub secret: String,
+    /// The Secret with the node's cephx credentials.
+    pub node_secret: String,
     dir: tempfile::TempDir,
     classes: Vec<String>,
 }
@@ -126,16 +129,27 @@ impl Env {
             .await
             .expect("create namespace");
         let secrets: Api<K8sSecret> = Api::namespaced(client.clone(), &id);
-        secrets
-            .create(
-                &PostParams::default(),
-                &from_json(json!({
-                    "metadata": {"name": "ceph-admin"},
-                    "stringData": {"userID": "admin", "userKey": ceph.admin_key()},
-                })),
-            )
-            .await
-            .expect("create secret");
+        // The provisioner and the node run as least-privileged users
+        // (deploy/README.md); the fixtures themselves use the admin.
+        for (name, user, key) in [
+            (
+                "ceph-provisioner",
+                super::ceph::PROVISIONER_USER,
+                super::ceph::provisioner_key(),
+            ),
+            ("ceph-node", super::ceph::NODE_USER, super::ceph::node_key()),
+        ] {
+            secrets
+                .create(
+                    &PostParams::default(),
+                    &from_json(json!({
+                        "metadata": {"name": name},
+                        "stringData": {"userID": user, "userKey": key},
+                    })),
+                )
+                .await
+                .expect("create secret");
+        }
         Env {
             client,
             kubeconfig: cp.kubeconfig_path().to_owned(),
@@ -143,7 +157,8 @@ impl Env {
             cluster_id: id.clone(),
             ns: id,
             rbd,
-            secret: "ceph-admin".into(),
+            secret: "ceph-provisioner".into(),
+            node_secret: "ceph-node".into(),
             dir,
             classes: Vec::new(),
         }
@@ -314,7 +329,10 @@ impl Env {
                 "csi.storage.k8s.io/controller-expand-secret-namespace",
                 &self.ns,
             ),
-            ("csi.storage.k8s.io/node-stage-secret-name", &self.secret),
+            (
+                "csi.storage.k8s.io/node-stage-secret-name",
+                &self.node_secret,
+            ),
             ("csi.storage.k8s.io/node-stage-secret-namespace", &self.ns),
         ] {
             p.insert(k.into(), json!(v));
@@ -517,7 +535,17 @@ impl Drop for Env {
         let ns = self.ns.clone();
         let classes = std::mem::take(&mut self.classes);
         let name = self.name.clone();
+        let logs: Vec<PathBuf> = std::fs::read_dir(self.dir.path())
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        for log in logs
+            .iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "log"))
+        {
+            super::artifacts::copy(&format!("env-{}", self.ns), log);
+        }
         let cleanup = async move {
+            dump_for_key_grep(&client, &ns, &name).await;
             let pvs: Api<PersistentVolume> = Api::all(client.clone());
             if let Ok(list) = pvs.list(&ListParams::default()).await {
                 for pv in list.items {
@@ -571,6 +599,62 @@ impl Drop for Env {
             });
         }
     }
+}
+
+/// Saves the events, claims and PVs a test produced to the run's
+/// artifacts, for the key grep.
+async fn dump_for_key_grep(client: &kube::Client, ns: &str, driver: &str) {
+    if super::artifacts::dir().is_none() {
+        return;
+    }
+    let group = format!("env-{ns}");
+    let lp = ListParams::default();
+    let mut events = Vec::new();
+    for n in [ns, "default"] {
+        let api: Api<Event> = Api::namespaced(client.clone(), n);
+        if let Ok(list) = api.list(&lp).await {
+            events.extend(list.items.into_iter().filter(|e| {
+                n == ns
+                    || e.reporting_controller.as_deref() == Some(driver)
+                    || e.regarding
+                        .as_ref()
+                        .and_then(|r| r.name.as_deref())
+                        .is_some_and(|r| r.starts_with("pvc-") || r.starts_with(ns))
+            }));
+        }
+    }
+    let pvs: Api<PersistentVolume> = Api::all(client.clone());
+    let pvs: Vec<PersistentVolume> = pvs
+        .list(&lp)
+        .await
+        .map(|l| l.items)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|pv| {
+            pv.spec
+                .as_ref()
+                .and_then(|s| s.csi.as_ref())
+                .is_some_and(|c| c.driver == driver)
+        })
+        .collect();
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    let claims = claims.list(&lp).await.map(|l| l.items).unwrap_or_default();
+    let pretty = |v: serde_json::Result<String>| v.unwrap_or_default();
+    super::artifacts::save(
+        &group,
+        "events.json",
+        pretty(serde_json::to_string_pretty(&events)).as_bytes(),
+    );
+    super::artifacts::save(
+        &group,
+        "pvs.json",
+        pretty(serde_json::to_string_pretty(&pvs)).as_bytes(),
+    );
+    super::artifacts::save(
+        &group,
+        "claims.json",
+        pretty(serde_json::to_string_pretty(&claims)).as_bytes(),
+    );
 }
 
 /// A provisioner running as a task of the test process.
@@ -696,6 +780,14 @@ impl Drop for ChildProvisioner {
             );
         }
         self.kill9();
+        // For the run's key grep.
+        let group = self
+            .log
+            .parent()
+            .and_then(|p| p.file_name())
+            .map(|n| format!("provisioner-{}", n.to_string_lossy()))
+            .unwrap_or_else(|| "provisioner".into());
+        super::artifacts::copy(&group, &self.log);
     }
 }
 
@@ -725,5 +817,12 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
         .split_once("\r\n\r\n")
         .map(|(_, b)| b.to_owned())
         .unwrap_or_default();
+    if path.starts_with("/metrics") {
+        super::artifacts::save(
+            "metrics",
+            &super::artifacts::unique_name("metrics", "txt"),
+            body.as_bytes(),
+        );
+    }
     (code, body)
 }
