@@ -351,8 +351,9 @@ async fn a_running_pod_sees_its_volume_grow() {
         df_sizes(&log).last().copied().ok_or(log)
     })
     .await;
+    // xfs keeps some of the device for itself (its log, above all).
     assert!(
-        (300 * 1024..=320 * 1024).contains(&before),
+        (200 * 1024..=320 * 1024).contains(&before),
         "a 320 MiB xfs shows {before} KiB"
     );
 
@@ -360,7 +361,7 @@ async fn a_running_pod_sees_its_volume_grow() {
     let after = eventually("df in the pod to see the new size", WAIT, || async {
         let log = w.logs("watcher").await;
         match df_sizes(&log).last() {
-            Some(&s) if s > 600 * 1024 => Ok(s),
+            Some(&s) if s >= before + 300 * 1024 => Ok(s),
             s => Err(format!(
                 "last df {s:?} KiB; claim status {:?}\n{}",
                 w.env
@@ -375,7 +376,11 @@ async fn a_running_pod_sees_its_volume_grow() {
         }
     })
     .await;
-    assert!(after <= 640 * 1024, "a 640 MiB xfs shows {after} KiB");
+    assert!(
+        after <= 640 * 1024,
+        "a 640 MiB xfs shows {after} KiB (it showed {before} KiB at 320 MiB)"
+    );
+    eprintln!("xfs in the pod: {before} KiB at 320 MiB, {after} KiB at 640 MiB");
     // The same container, never restarted.
     let pod: Pod = Api::namespaced(w.client().clone(), &w.env.ns)
         .get("watcher")
