@@ -20,8 +20,8 @@ use rbdkit::rbd::Image;
 use rbdkit::volume::VolumeId;
 
 use support::node::{
-    busybox_pod, claim_volume, create_pod, delete_pod, pod_logs, prepare_namespace,
-    wait_phase, Node, NodePlugin, POD_WAIT, TOPOLOGY_KEY,
+    busybox_pod, claim_volume, create_pod, delete_pod, pod_logs, prepare_namespace, wait_phase,
+    Node, NodePlugin, POD_WAIT, TOPOLOGY_KEY,
 };
 use support::provisioner::{eventually, stays, Env, InProcess, WAIT};
 
@@ -128,7 +128,11 @@ async fn filesystem_claim_written_by_one_pod_is_read_by_the_next() {
     let mut w = World::new("nfs").await;
     let class = w
         .env
-        .storage_class("fs", json!({"csi.storage.k8s.io/fstype": "ext4"}), json!({}))
+        .storage_class(
+            "fs",
+            json!({"csi.storage.k8s.io/fstype": "ext4"}),
+            json!({}),
+        )
         .await;
     w.env
         .claim("data", &class, "64Mi", &["ReadWriteOnce"], "Filesystem")
@@ -137,7 +141,8 @@ async fn filesystem_claim_written_by_one_pod_is_read_by_the_next() {
     let pv_name = pv.metadata.name.clone().unwrap();
     let text = format!("written by a pod in {}", w.env.ns);
 
-    let script = format!("set -e; echo '{text}' > /data/hello; sync -f /data/hello; cat /data/hello");
+    let script =
+        format!("set -e; echo '{text}' > /data/hello; sync -f /data/hello; cat /data/hello");
     let out = w
         .run_to_success(busybox_pod(
             w.node,
@@ -192,15 +197,29 @@ async fn block_claim_bytes_written_by_a_pod_are_in_the_image() {
         "set -e; yes '{word}' | head -c 4096 > /tmp/blk; \
          dd if=/tmp/blk of=/dev/xvda bs=4096 seek=256 conv=notrunc,fsync; echo written"
     );
-    let mut pod = busybox_pod(w.node, "blockwriter", &script, claim_volume("raw"), json!([]));
+    let mut pod = busybox_pod(
+        w.node,
+        "blockwriter",
+        &script,
+        claim_volume("raw"),
+        json!([]),
+    );
     pod["spec"]["containers"][0]["volumeDevices"] =
         json!([{"name": "data", "devicePath": "/dev/xvda"}]);
     let out = w.run_to_success(pod).await;
     assert!(out.contains("written"), "pod log: {out}");
     w.delete_pod("blockwriter").await;
 
-    let vol = VolumeId::parse(&pv.spec.as_ref().unwrap().csi.as_ref().unwrap().volume_handle)
-        .unwrap();
+    let vol = VolumeId::parse(
+        &pv.spec
+            .as_ref()
+            .unwrap()
+            .csi
+            .as_ref()
+            .unwrap()
+            .volume_handle,
+    )
+    .unwrap();
     let image = Image::open_read_only(&w.env.rbd.ioctx, &vol.image).unwrap();
     let mut buf = vec![0u8; 4096];
     image.read_exact(1 << 20, &mut buf).unwrap();
@@ -238,15 +257,24 @@ async fn wait_for_first_consumer_is_provisioned_for_the_scheduled_node() {
     w.env
         .claim("late", &class, "32Mi", &["ReadWriteOnce"], "Filesystem")
         .await;
-    stays("no volume before a pod uses the claim", Duration::from_secs(3), || async {
-        let c = w.env.claims().get("late").await.map_err(|e| e.to_string())?;
-        let bound = c.spec.as_ref().and_then(|s| s.volume_name.clone());
-        if bound.is_none() && w.env.images().is_empty() {
-            Ok(())
-        } else {
-            Err(format!("bound to {bound:?}, images {:?}", w.env.images()))
-        }
-    })
+    stays(
+        "no volume before a pod uses the claim",
+        Duration::from_secs(3),
+        || async {
+            let c = w
+                .env
+                .claims()
+                .get("late")
+                .await
+                .map_err(|e| e.to_string())?;
+            let bound = c.spec.as_ref().and_then(|s| s.volume_name.clone());
+            if bound.is_none() && w.env.images().is_empty() {
+                Ok(())
+            } else {
+                Err(format!("bound to {bound:?}, images {:?}", w.env.images()))
+            }
+        },
+    )
     .await;
 
     // No nodeName: the scheduler places it.
@@ -343,7 +371,13 @@ async fn a_running_pod_sees_its_volume_grow() {
     ))
     .await;
     let pod = w.wait("watcher", &["Running"]).await;
-    let started = pod.status.as_ref().unwrap().container_statuses.clone().unwrap()[0]
+    let started = pod
+        .status
+        .as_ref()
+        .unwrap()
+        .container_statuses
+        .clone()
+        .unwrap()[0]
         .state
         .clone();
     let before = eventually("df in the pod", WAIT, || async {
@@ -386,11 +420,22 @@ async fn a_running_pod_sees_its_volume_grow() {
         .get("watcher")
         .await
         .unwrap();
-    let cs = &pod.status.as_ref().unwrap().container_statuses.clone().unwrap()[0];
+    let cs = &pod
+        .status
+        .as_ref()
+        .unwrap()
+        .container_statuses
+        .clone()
+        .unwrap()[0];
     assert_eq!(cs.restart_count, 0);
     assert_eq!(cs.state, started);
     eventually("the claim's capacity to be 640Mi", WAIT, || async {
-        let c = w.env.claims().get("grow").await.map_err(|e| e.to_string())?;
+        let c = w
+            .env
+            .claims()
+            .get("grow")
+            .await
+            .map_err(|e| e.to_string())?;
         let cap = c
             .status
             .as_ref()
@@ -457,7 +502,11 @@ async fn writes_go_on_across_kill_9_of_the_node_plugin() {
     let mut w = World::new("nkill").await;
     let class = w
         .env
-        .storage_class("fs", json!({"csi.storage.k8s.io/fstype": "ext4"}), json!({}))
+        .storage_class(
+            "fs",
+            json!({"csi.storage.k8s.io/fstype": "ext4"}),
+            json!({}),
+        )
         .await;
     w.env
         .claim("busy", &class, "64Mi", &["ReadWriteOnce"], "Filesystem")
@@ -536,7 +585,11 @@ async fn fs_group_owns_the_volume_root() {
     let mut w = World::new("nfsg").await;
     let class = w
         .env
-        .storage_class("fs", json!({"csi.storage.k8s.io/fstype": "ext4"}), json!({}))
+        .storage_class(
+            "fs",
+            json!({"csi.storage.k8s.io/fstype": "ext4"}),
+            json!({}),
+        )
         .await;
     w.env
         .claim("shared", &class, "32Mi", &["ReadWriteOnce"], "Filesystem")

@@ -601,8 +601,7 @@ impl NodePlugin {
     /// The mapper worker's pid (the supervisor's child), if it runs.
     pub fn mapper_worker_pid(&self) -> Option<u32> {
         let sup = self.mapper.child.as_ref()?.id();
-        let children =
-            std::fs::read_to_string(format!("/proc/{sup}/task/{sup}/children")).ok()?;
+        let children = std::fs::read_to_string(format!("/proc/{sup}/task/{sup}/children")).ok()?;
         children.split_whitespace().next()?.parse().ok()
     }
 
@@ -632,9 +631,7 @@ impl NodePlugin {
             .unwrap_or_default()
             .into_iter()
             .filter(|m| m.mount_point.starts_with(&self.kubelet_root))
-            .filter(|m| {
-                loops.contains(&m.source) || m.mount_point.to_string_lossy().contains(pv)
-            })
+            .filter(|m| loops.contains(&m.source) || m.mount_point.to_string_lossy().contains(pv))
             .map(|m| format!("{} on {}", m.source, m.mount_point.display()))
             .collect()
     }
