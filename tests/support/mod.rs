@@ -10,4 +10,6 @@ pub mod data;
 #[cfg(feature = "service")]
 pub mod k8s;
 #[cfg(feature = "service")]
+pub mod node;
+#[cfg(feature = "service")]
 pub mod provisioner;
