@@ -19,7 +19,7 @@ use rbdkit::rbd::{self, Image, ImageOptions};
 use rbdkit::volume::ops::{
     self, Owner, META_CLUSTER, META_PROVISIONER, META_PV, META_PVC_NAME, META_PVC_NAMESPACE,
 };
-use rbdkit::volume::{NoMetrics, VolumeId};
+use rbdkit::volume::{NoFence, NoMetrics, VolumeId};
 
 use support::provisioner::Env;
 
@@ -50,6 +50,7 @@ fn owned_image(env: &Env, provisioner: &str, image: &str) {
     ops::ensure_image(
         &support::ceph::cluster(),
         &NoMetrics,
+        &NoFence,
         &vol(env, image),
         8 * MIB,
         &ImageOptions::new(),

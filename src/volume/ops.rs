@@ -324,7 +324,7 @@ pub fn ensure_image(
     options: &ImageOptions,
     owner: &Owner,
 ) -> Result<u64, VolumeError> {
-    ensure_image_steps(cluster, metrics, vol, size, options, owner)
+    ensure_image_steps(cluster, metrics, fence, vol, size, options, owner)
         .map_err(|e| explain_denied(vol, e))
 }
 
@@ -332,6 +332,7 @@ pub fn ensure_image(
 fn ensure_image_steps(
     cluster: &Cluster,
     metrics: &dyn CephObserver,
+    fence: &dyn Fence,
     vol: &VolumeId,
     size: u64,
     options: &ImageOptions,
@@ -486,7 +487,7 @@ pub fn delete_image(
     provisioner: &str,
     pv_name: &str,
 ) -> Result<Deleted, VolumeError> {
-    delete_image_steps(cluster, metrics, vol, provisioner, pv_name)
+    delete_image_steps(cluster, metrics, fence, vol, provisioner, pv_name)
         .map_err(|e| explain_denied(vol, e))
 }
 
@@ -494,6 +495,7 @@ pub fn delete_image(
 fn delete_image_steps(
     cluster: &Cluster,
     metrics: &dyn CephObserver,
+    fence: &dyn Fence,
     vol: &VolumeId,
     provisioner: &str,
     pv_name: &str,
@@ -633,7 +635,7 @@ pub fn expand_image(
     pv_name: &str,
     size: u64,
 ) -> Result<u64, VolumeError> {
-    expand_image_steps(cluster, metrics, vol, provisioner, pv_name, size)
+    expand_image_steps(cluster, metrics, fence, vol, provisioner, pv_name, size)
         .map_err(|e| explain_denied(vol, e))
 }
 
@@ -641,6 +643,7 @@ pub fn expand_image(
 fn expand_image_steps(
     cluster: &Cluster,
     metrics: &dyn CephObserver,
+    fence: &dyn Fence,
     vol: &VolumeId,
     provisioner: &str,
     pv_name: &str,
