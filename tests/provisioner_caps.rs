@@ -75,4 +75,38 @@ async fn a_class_on_another_pool_fails_with_a_permission_error() {
     )
     .await;
     provisioner.stop().await;
+
+    // The node user can do what staging does on its pool's images (open
+    // read-write, take the exclusive lock, write, read), and nothing on the
+    // other pool.
+    let (_, pv) = env.wait_bound("ok").await;
+    let handle = pv.spec.unwrap().csi.unwrap().volume_handle;
+    let image = rbdkit::volume::VolumeId::parse(&handle).unwrap().image;
+    let mons = ceph::TestCluster::get().conf_value("mon host").unwrap();
+    let ns = env.rbd.name.clone();
+    tokio::task::spawn_blocking(move || {
+        let node = rbdkit::rados::ConnectOptions::new()
+            .no_conf_file()
+            .mon_host(mons)
+            .user(ceph::NODE_USER)
+            .key(rbdkit::rados::Secret::new(ceph::node_key()))
+            .connect_timeout(std::time::Duration::from_secs(30))
+            .op_timeout(std::time::Duration::from_secs(30))
+            .connect()
+            .expect("connect as the node user");
+        let io = node.ioctx_ns(ceph::POOL, &ns).unwrap();
+        let img = rbd::Image::open(&io, &image).expect("open read-write as the node user");
+        img.lock_acquire(rbd::LockMode::Exclusive)
+            .expect("exclusive lock as the node user");
+        img.write(0, &[7u8; 4096]).expect("write as the node user");
+        let mut back = [0u8; 4096];
+        img.read_exact(0, &mut back).unwrap();
+        assert_eq!(back, [7u8; 4096]);
+        img.close().unwrap();
+        let other = node.ioctx_ns(OTHER_POOL, &ns).unwrap();
+        let e = rbd::list_names(&other).expect_err("the node user may not list the other pool");
+        assert_eq!(e.kind(), rbdkit::ErrorKind::PermissionDenied, "{e}");
+    })
+    .await
+    .unwrap();
 }

@@ -310,7 +310,13 @@ pub async fn run_gc(args: GcArgs) -> anyhow::Result<()> {
             CredSource::Flags => None,
             CredSource::Secret(s) => match secrets.get(s) {
                 Some(c) => Some(c.clone()),
-                None => match crate::provisioner::secrets::credentials(&client, s).await {
+                None => match tokio::time::timeout(
+                    args.timeout,
+                    crate::provisioner::secrets::credentials(&client, s),
+                )
+                .await
+                .unwrap_or_else(|_| Err(format!("reading Secret {s} timed out")))
+                {
                     Ok(c) => {
                         secrets.insert(s.clone(), c.clone());
                         Some(c)
