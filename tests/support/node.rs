@@ -668,6 +668,12 @@ impl Drop for NodePlugin {
             let _ = rbdkit::node::mount::ensure_unmounted(&p);
         }
         let _ = std::fs::remove_dir_all(self.kubelet_root.join("plugins").join(&self.driver));
+        // The kubelet deregisters a plugin when its registration socket goes.
+        let _ = std::fs::remove_file(
+            self.kubelet_root
+                .join("plugins_registry")
+                .join(format!("{}-reg.sock", self.driver)),
+        );
     }
 }
 
