@@ -6,7 +6,9 @@
 //! - [`params`]: StorageClass / CSI parameters, validated;
 //! - [`id`]: the volume handle (`rbdkit1/cluster/pool/namespace/image`);
 //! - [`clusters`]: the ceph-csi clusters config and the connection cache;
-//! - [`ops`]: create, delete and expand, with ownership checks.
+//! - [`ops`]: create, delete and expand, with ownership checks;
+//! - [`snapshot`]: snapshots, restores, volume clones, clone depth limits
+//!   and the trash for sources that still have clones.
 //!
 //! Nothing here knows about Kubernetes objects; callers pass plain values.
 
@@ -14,11 +16,12 @@ pub mod clusters;
 pub mod id;
 pub mod ops;
 pub mod params;
+pub mod snapshot;
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-pub use id::VolumeId;
+pub use id::{SnapshotId, VolumeId};
 
 use params::ClassParams;
 
