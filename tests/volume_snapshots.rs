@@ -2,6 +2,7 @@
 //! (`rbdkit::volume::snapshot`) against the real test cluster: data,
 //! idempotence, sizes, clone depth limits, sources deleted while their
 //! clones live, and re-runs after a stop at every step.
+#![cfg(feature = "service")]
 
 mod support;
 
