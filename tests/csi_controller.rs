@@ -7,9 +7,11 @@ mod support;
 use std::collections::HashMap;
 
 use rbdkit::csi::proto::{
-    CapacityRange, ControllerExpandVolumeRequest, ControllerGetCapabilitiesRequest,
-    CreateVolumeRequest, DeleteVolumeRequest, GetCapacityRequest, GetPluginCapabilitiesRequest,
-    GetPluginInfoRequest, ListVolumesRequest, ProbeRequest, ValidateVolumeCapabilitiesRequest,
+    volume_content_source, CapacityRange, ControllerExpandVolumeRequest,
+    ControllerGetCapabilitiesRequest, CreateSnapshotRequest, CreateVolumeRequest,
+    DeleteSnapshotRequest, DeleteVolumeRequest, GetCapacityRequest, GetPluginCapabilitiesRequest,
+    GetPluginInfoRequest, GetSnapshotRequest, ListSnapshotsRequest, ListVolumesRequest,
+    ProbeRequest, ValidateVolumeCapabilitiesRequest, VolumeContentSource,
 };
 use rbdkit::rbd::{self, Image};
 use rbdkit::volume::ops::{owner_metadata, META_PROVISIONER, META_PV};
@@ -230,7 +232,7 @@ async fn expand_validate_list_and_capacity() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(caps.capabilities.len(), 5);
+    assert_eq!(caps.capabilities.len(), 9);
     let mut ids = Vec::new();
     for i in 0..3 {
         ids.push(
@@ -389,4 +391,301 @@ async fn expand_validate_list_and_capacity() {
         rbd::list_names(&env.rbd.ioctx).unwrap(),
         vec!["foreign".to_owned()]
     );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn snapshots_restores_and_clones() {
+    let env = CsiEnv::new("csi-snap", Mode::Controller).await;
+    let mut ctl = env.controller().await;
+    let caps = format!(
+        "{:?}",
+        ctl.controller_get_capabilities(ControllerGetCapabilitiesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+    );
+    for want in [
+        "CreateDeleteSnapshot",
+        "ListSnapshots",
+        "CloneVolume",
+        "GetSnapshot",
+    ] {
+        assert!(caps.contains(want), "{want}: {caps}");
+    }
+    let src = env
+        .create_volume("pvc-snap-src", 16 * MIB, mount_cap("ext4"))
+        .await;
+    let other = env
+        .create_volume("pvc-snap-other", 8 * MIB, mount_cap("ext4"))
+        .await;
+    let src_image = VolumeId::parse(&src).unwrap().image;
+    let data = support::data::pattern(11, 1 << 20);
+    let img = Image::open(&env.rbd.ioctx, &src_image).unwrap();
+    img.write(0, &data).unwrap();
+    img.close().unwrap();
+
+    let snap_req = |source: &str, name: &str| CreateSnapshotRequest {
+        source_volume_id: source.to_owned(),
+        name: name.to_owned(),
+        secrets: env.secrets(),
+        parameters: HashMap::new(),
+    };
+    let snap = ctl
+        .create_snapshot(snap_req(&src, "snapshot-1"))
+        .await
+        .unwrap()
+        .into_inner()
+        .snapshot
+        .unwrap();
+    assert!(snap.ready_to_use);
+    assert_eq!(snap.size_bytes, 16 * MIB);
+    assert_eq!(snap.source_volume_id, src);
+    assert!(snap.creation_time.is_some());
+    let again = ctl
+        .create_snapshot(snap_req(&src, "snapshot-1"))
+        .await
+        .unwrap()
+        .into_inner()
+        .snapshot
+        .unwrap();
+    assert_eq!(again.snapshot_id, snap.snapshot_id);
+
+    // Refusals.
+    let e = ctl
+        .create_snapshot(snap_req(&other, "snapshot-1"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "{e}");
+    let missing_vol = VolumeId {
+        image: "no-such".into(),
+        ..VolumeId::parse(&src).unwrap()
+    }
+    .handle();
+    let e = ctl
+        .create_snapshot(snap_req(&missing_vol, "snapshot-2"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e}");
+    let mut in_other_pool = snap_req(&src, "snapshot-3");
+    in_other_pool
+        .parameters
+        .insert("pool".into(), "elsewhere".into());
+    let e = ctl.create_snapshot(in_other_pool).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("pool"), "{e}");
+
+    // Listing: all, by id, by source, in pages, and a bad token.
+    let s2 = ctl
+        .create_snapshot(snap_req(&other, "snapshot-4"))
+        .await
+        .unwrap()
+        .into_inner()
+        .snapshot
+        .unwrap();
+    let list = |max: i32, token: &str, source: &str, id: &str| ListSnapshotsRequest {
+        max_entries: max,
+        starting_token: token.to_owned(),
+        source_volume_id: source.to_owned(),
+        snapshot_id: id.to_owned(),
+        secrets: env.secrets(),
+    };
+    let all = ctl
+        .list_snapshots(list(0, "", "", ""))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut ids: Vec<String> = all
+        .entries
+        .iter()
+        .map(|e| e.snapshot.clone().unwrap().snapshot_id)
+        .collect();
+    let mut want = vec![snap.snapshot_id.clone(), s2.snapshot_id.clone()];
+    want.sort();
+    ids.sort();
+    assert_eq!(ids, want);
+    let first = ctl
+        .list_snapshots(list(1, "", "", ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(first.entries.len(), 1);
+    assert!(!first.next_token.is_empty());
+    let second = ctl
+        .list_snapshots(list(1, &first.next_token, "", ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(second.entries.len(), 1);
+    assert!(second.next_token.is_empty());
+    let by_source = ctl
+        .list_snapshots(list(0, "", &other, ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(by_source.entries.len(), 1);
+    assert_eq!(
+        by_source.entries[0].snapshot.as_ref().unwrap().snapshot_id,
+        s2.snapshot_id
+    );
+    let by_id = ctl
+        .list_snapshots(list(0, "", "", &snap.snapshot_id))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(by_id.entries.len(), 1);
+    let none = ctl
+        .list_snapshots(list(0, "", "", "rbdkit1-snap/x/y//z@rbdkit"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(none.entries.is_empty());
+    let got = ctl
+        .get_snapshot(GetSnapshotRequest {
+            snapshot_id: s2.snapshot_id.clone(),
+            secrets: env.secrets(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(got.snapshot.unwrap(), s2);
+    let e = ctl
+        .get_snapshot(GetSnapshotRequest {
+            snapshot_id: "rbdkit1-snap/x/y//z@rbdkit".into(),
+            secrets: env.secrets(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e}");
+    let e = ctl
+        .list_snapshots(list(0, "nope", "", ""))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Aborted, "{e}");
+
+    // Restore (bigger) and clone (source size); both hold the data.
+    let from = |source: volume_content_source::Type, name: &str, bytes: i64| CreateVolumeRequest {
+        name: name.to_owned(),
+        capacity_range: (bytes > 0).then_some(CapacityRange {
+            required_bytes: bytes,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![mount_cap("ext4")],
+        parameters: env.params(),
+        secrets: env.secrets(),
+        volume_content_source: Some(VolumeContentSource {
+            r#type: Some(source),
+        }),
+        ..Default::default()
+    };
+    let of_snap = |id: &str| {
+        volume_content_source::Type::Snapshot(volume_content_source::SnapshotSource {
+            snapshot_id: id.to_owned(),
+        })
+    };
+    let of_vol = |id: &str| {
+        volume_content_source::Type::Volume(volume_content_source::VolumeSource {
+            volume_id: id.to_owned(),
+        })
+    };
+    let restored = ctl
+        .create_volume(from(of_snap(&snap.snapshot_id), "pvc-restore", 32 * MIB))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(restored.capacity_bytes, 32 * MIB);
+    assert!(restored.content_source.is_some());
+    let cloned = ctl
+        .create_volume(from(of_vol(&src), "pvc-clone", 0))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(cloned.capacity_bytes, 16 * MIB);
+    for id in [&restored.volume_id, &cloned.volume_id] {
+        let name = VolumeId::parse(id).unwrap().image;
+        let img = Image::open_read_only(&env.rbd.ioctx, &name).unwrap();
+        let mut buf = vec![0u8; data.len()];
+        img.read_exact(0, &mut buf).unwrap();
+        assert!(buf == data, "{name} does not hold the source's data");
+    }
+    let again = ctl
+        .create_volume(from(of_vol(&src), "pvc-clone", 0))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.volume.unwrap().volume_id, cloned.volume_id);
+    let e = ctl
+        .create_volume(from(of_vol(&other), "pvc-clone", 0))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "{e}");
+    let e = ctl
+        .create_volume(from(of_snap(&snap.snapshot_id), "pvc-small", 8 * MIB))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::OutOfRange, "{e}");
+    let missing_snap = snap.snapshot_id.replace("snapshot-1", "snapshot-none");
+    for (what, source) in [
+        ("missing snapshot", of_snap(&missing_snap)),
+        ("unreadable snapshot id", of_snap("nonsense")),
+        ("missing volume", of_vol(&missing_vol)),
+    ] {
+        let e = ctl
+            .create_volume(from(source, "pvc-missing", 0))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::NotFound, "{what}: {e}");
+    }
+    let mut elsewhere = from(of_vol(&src), "pvc-elsewhere", 0);
+    elsewhere
+        .parameters
+        .insert("pool".into(), "elsewhere".into());
+    let e = ctl.create_volume(elsewhere).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("another cluster, pool"), "{e}");
+
+    // ListVolumes shows volumes only, not snapshot images.
+    let vols = ctl
+        .list_volumes(ListVolumesRequest {
+            max_entries: 0,
+            starting_token: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(vols.entries.len(), 4, "{vols:?}");
+
+    // The source and the snapshot go while their clones live; the last
+    // clone's delete purges them.
+    let del_vol = |id: &str| DeleteVolumeRequest {
+        volume_id: id.to_owned(),
+        secrets: env.secrets(),
+    };
+    let del_snap = |id: &str| DeleteSnapshotRequest {
+        snapshot_id: id.to_owned(),
+        secrets: env.secrets(),
+    };
+    ctl.delete_volume(del_vol(&src)).await.unwrap();
+    ctl.delete_snapshot(del_snap(&snap.snapshot_id))
+        .await
+        .unwrap();
+    ctl.delete_snapshot(del_snap(&snap.snapshot_id))
+        .await
+        .unwrap();
+    ctl.delete_snapshot(del_snap("not-a-snapshot-id"))
+        .await
+        .unwrap();
+    assert_eq!(rbd::trash_list(&env.rbd.ioctx).unwrap().len(), 2);
+    for id in [&restored.volume_id, &cloned.volume_id, &other] {
+        ctl.delete_volume(del_vol(id)).await.unwrap();
+    }
+    ctl.delete_snapshot(del_snap(&s2.snapshot_id))
+        .await
+        .unwrap();
+    ctl.delete_volume(del_vol(&other)).await.unwrap();
+    assert!(rbd::list_names(&env.rbd.ioctx).unwrap().is_empty());
+    assert!(rbd::trash_list(&env.rbd.ioctx).unwrap().is_empty());
 }

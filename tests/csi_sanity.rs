@@ -40,6 +40,9 @@ async fn csi_sanity_passes() {
         "NodeStageVolumeSecret",
         "NodePublishVolumeSecret",
         "NodeExpandVolumeSecret",
+        "CreateSnapshotSecret",
+        "DeleteSnapshotSecret",
+        "ListSnapshotsSecret",
     ] {
         text.push_str(&format!("{key}:\n{one}"));
     }

@@ -14,7 +14,7 @@ use rbdkit::k8s::quantity::{bytes_quantity, parse_bytes, parse_whole_bytes};
 use rbdkit::node::options::{options_for, MounterKind};
 use rbdkit::volume::clusters::ClustersConfig;
 use rbdkit::volume::params::ClassParams;
-use rbdkit::volume::VolumeId;
+use rbdkit::volume::{SnapshotId, VolumeId};
 
 fn config() -> ProptestConfig {
     let cases = std::env::var("PROPTEST_CASES")
@@ -184,6 +184,28 @@ proptest! {
         let id = VolumeId { cluster_id, pool, rados_namespace, image };
         let handle = id.handle();
         prop_assert_eq!(VolumeId::parse(&handle).unwrap(), id);
+    }
+
+    #[test]
+    fn snapshot_handles_round_trip_and_are_never_volume_handles(
+        cluster_id in ".{1,20}",
+        pool in ".{1,20}",
+        rados_namespace in ".{0,20}",
+        image in ".{1,40}",
+        snap in ".{1,20}",
+    ) {
+        let id = SnapshotId { cluster_id, pool, rados_namespace, image, snap };
+        let handle = id.handle();
+        prop_assert_eq!(SnapshotId::parse(&handle).unwrap(), id.clone());
+        prop_assert!(VolumeId::parse(&handle).is_err());
+        prop_assert!(SnapshotId::parse(&id.image_id().handle()).is_err());
+    }
+
+    #[test]
+    fn snapshot_handles_never_panic(s in "(rbdkit1-snap/)?[a-z%/@0-9A-F]{0,30}") {
+        if let Ok(id) = SnapshotId::parse(&s) {
+            prop_assert_eq!(SnapshotId::parse(&id.handle()).unwrap(), id);
+        }
     }
 
     #[test]

@@ -1,10 +1,12 @@
 //! The CSI Controller service: create, delete, expand, validate, list
 //! volumes and report capacity, through the same volume operations the
 //! provisioner uses ([`crate::volume::ops`]), with the same ownership
-//! records and crash safety.
+//! records and crash safety; and snapshots, restores and volume clones
+//! through [`crate::volume::snapshot`].
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tonic::{Request, Response, Status};
 
@@ -24,14 +26,93 @@ use crate::csi::proto::{
     ListVolumesRequest, ListVolumesResponse, ValidateVolumeCapabilitiesRequest,
     ValidateVolumeCapabilitiesResponse, Volume, VolumeCapability,
 };
+use crate::csi::proto::{list_snapshots_response, volume_content_source, Snapshot};
 use crate::k8s::quantity::{round_up_mib, MIB};
 use crate::rbd::{self, Image};
 use crate::volume::ops::{self, Owner, VolumeError, META_PROVISIONER};
 use crate::volume::params::{
-    check_access, ClassParams, CLUSTER_ID, POOL, PVC_NAMESPACE_META, PVC_NAME_META,
+    check_access, ClassParams, SnapshotParams, CLUSTER_ID, POOL, PVC_NAMESPACE_META, PVC_NAME_META,
+    VOLUMESNAPSHOTCONTENT_NAME_META,
+};
+use crate::volume::snapshot::{
+    self as snap, CloneOptions, Flatten, SnapshotFilter, SnapshotInfo, SnapshotOwner, META_KIND,
 };
 use crate::volume::NoFence;
-use crate::volume::{volume_context, VolumeId};
+use crate::volume::{volume_context, SnapshotId, VolumeId};
+
+/// How long one round of a background flatten may hold a blocking thread.
+const FLATTEN_ROUND: Duration = Duration::from_secs(60);
+/// Rounds of a background flatten before it is given up (until the next
+/// clone of the volume asks again).
+const FLATTEN_ROUNDS: u32 = 120;
+
+/// What a new volume is made from.
+enum Source {
+    Snapshot(SnapshotId),
+    Volume(VolumeId),
+}
+
+/// Parses a snapshot id, with INVALID_ARGUMENT for an empty one and
+/// NOT_FOUND for one this driver cannot have made.
+fn snapshot_id(id: &str) -> Result<SnapshotId, Status> {
+    if id.is_empty() {
+        return Err(Status::invalid_argument("snapshot_id is empty"));
+    }
+    SnapshotId::parse(id).map_err(|why| Status::not_found(format!("no such snapshot: {why}")))
+}
+
+fn timestamp(t: SystemTime) -> prost_types::Timestamp {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    prost_types::Timestamp {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+fn csi_snapshot(info: &SnapshotInfo) -> Snapshot {
+    Snapshot {
+        size_bytes: info.size.min(i64::MAX as u64) as i64,
+        snapshot_id: info.id.handle(),
+        source_volume_id: info.source_volume.clone(),
+        creation_time: Some(timestamp(info.created)),
+        ready_to_use: info.ready,
+        group_snapshot_id: String::new(),
+    }
+}
+
+/// Flattens `vol` in bounded rounds on the blocking pool, in the
+/// background (a clone past the soft depth limit).
+fn flatten_in_background(driver: Arc<Driver>, vol: VolumeId) {
+    tokio::spawn(async move {
+        let conn = match driver.connect(&vol.cluster_id, &HashMap::new()).await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(volume = %vol, "background flatten not started: {}", e.message());
+                return;
+            }
+        };
+        for _ in 0..FLATTEN_ROUNDS {
+            let (v, name) = (vol.clone(), driver.name.clone());
+            let round = driver
+                .ceph(&conn, move |c, m| {
+                    snap::flatten_volume(c, m, &v, &name, Instant::now() + FLATTEN_ROUND)
+                })
+                .await;
+            match round {
+                Ok(true) => {
+                    tracing::info!(volume = %vol, "background flatten done");
+                    return;
+                }
+                Ok(false) => continue,
+                Err(e) => {
+                    tracing::warn!(volume = %vol, "background flatten stopped: {e}");
+                    return;
+                }
+            }
+        }
+        tracing::warn!(volume = %vol, "background flatten given up after {FLATTEN_ROUNDS} rounds");
+    });
+}
 
 /// The CSI controller's fence: none. Its caller (external-provisioner or
 /// external-resizer, which do their own leader election) sends at most one
@@ -177,15 +258,27 @@ impl Controller for ControllerService {
         let req = req.into_inner();
         let name = required("name", &req.name)?.to_owned();
         check_caps(&req.volume_capabilities, true)?;
-        if req.volume_content_source.is_some() {
-            return Err(Status::invalid_argument(
-                "volume_content_source (restoring a snapshot or cloning a volume) is not supported yet",
-            ));
-        }
+        let source = match req
+            .volume_content_source
+            .as_ref()
+            .and_then(|s| s.r#type.as_ref())
+        {
+            None => None,
+            Some(volume_content_source::Type::Snapshot(s)) => {
+                Some(Source::Snapshot(snapshot_id(&s.snapshot_id)?))
+            }
+            Some(volume_content_source::Type::Volume(v)) => {
+                Some(Source::Volume(volume_id(&v.volume_id)?))
+            }
+        };
         let raw: BTreeMap<String, String> = req.parameters.clone().into_iter().collect();
         let params =
             ClassParams::parse_csi(&raw).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let (size, required_bytes, limit) = size_for(req.capacity_range.as_ref())?;
+        let (mut size, required_bytes, limit) = size_for(req.capacity_range.as_ref())?;
+        if source.is_some() && required_bytes == 0 {
+            // The source's size (a larger limit only caps it).
+            size = 0;
+        }
         let _busy = self.driver.begin(&name)?;
         let info = self.driver.cluster(&params.cluster_id)?;
         let vol = VolumeId {
@@ -209,13 +302,41 @@ impl Controller for ControllerService {
             .image_options()
             .map_err(|e| Status::invalid_argument(format!("image options: {e}")))?;
         let v = vol.clone();
-        let created = self
-            .driver
-            .ceph(&conn, move |c, m| {
-                ops::ensure_image(c, m, &CO_SERIALISED, &v, size, &options, &owner)
-            })
-            .await
-            .map_err(|e| volume_status(&e))?;
+        let created = match source {
+            None => self
+                .driver
+                .ceph(&conn, move |c, m| {
+                    ops::ensure_image(c, m, &CO_SERIALISED, &v, size, &options, &owner)
+                })
+                .await
+                .map_err(|e| volume_status(&e))?,
+            Some(source) => {
+                let opts = CloneOptions {
+                    depth: params.clone_depth,
+                    ..Default::default()
+                };
+                let cloned = self
+                    .driver
+                    .ceph(&conn, move |c, m| match &source {
+                        Source::Snapshot(s) => snap::ensure_volume_from_snapshot(
+                            c, m, s, &v, size, &options, &owner, &opts,
+                        ),
+                        Source::Volume(s) => snap::ensure_volume_from_volume(
+                            c, m, s, &v, size, &options, &owner, &opts,
+                        ),
+                    })
+                    .await
+                    .map_err(|e| match e {
+                        VolumeError::ShrinkRefused { .. } => Status::out_of_range(e.to_string()),
+                        e => volume_status(&e),
+                    })?;
+                tracing::info!(volume = %vol, depth = cloned.depth, flatten = ?cloned.flatten, "cloned");
+                if cloned.flatten == Flatten::Background {
+                    flatten_in_background(Arc::clone(&self.driver), vol.clone());
+                }
+                cloned.size
+            }
+        };
         self.driver.saw_pool(&vol);
         let compatible = created >= required_bytes.max(1) && (limit == 0 || created <= limit);
         if !compatible {
@@ -229,7 +350,7 @@ impl Controller for ControllerService {
                 capacity_bytes: created as i64,
                 volume_id: vol.handle(),
                 volume_context: to_hash(volume_context(&vol, &params)),
-                content_source: None,
+                content_source: req.volume_content_source.clone(),
                 accessible_topology: Vec::new(),
             }),
         }))
@@ -360,7 +481,9 @@ impl Controller for ControllerService {
                         let Ok(img) = Image::open_read_only(&io, &image) else {
                             continue;
                         };
-                        if img.metadata_get(META_PROVISIONER).ok().as_deref() != Some(&name) {
+                        if img.metadata_get(META_PROVISIONER).ok().as_deref() != Some(&name)
+                            || img.metadata_get(META_KIND).is_ok()
+                        {
                             continue;
                         }
                         let vol = VolumeId {
@@ -464,6 +587,10 @@ impl Controller for ControllerService {
             T::ListVolumes,
             T::GetCapacity,
             T::SingleNodeMultiWriter,
+            T::CreateDeleteSnapshot,
+            T::ListSnapshots,
+            T::CloneVolume,
+            T::GetSnapshot,
         ]
         .into_iter()
         .map(|t| ControllerServiceCapability {
@@ -479,30 +606,214 @@ impl Controller for ControllerService {
 
     async fn create_snapshot(
         &self,
-        _req: Request<CreateSnapshotRequest>,
+        req: Request<CreateSnapshotRequest>,
     ) -> Result<Response<CreateSnapshotResponse>, Status> {
-        Err(Status::unimplemented("snapshots are not supported yet"))
+        let req = req.into_inner();
+        let name = required("name", &req.name)?.to_owned();
+        if req.source_volume_id.is_empty() {
+            return Err(Status::invalid_argument("source_volume_id is empty"));
+        }
+        let source = volume_id(&req.source_volume_id)?;
+        let raw: BTreeMap<String, String> = req.parameters.clone().into_iter().collect();
+        let params = SnapshotParams::parse(&raw).map_err(|e| {
+            Status::invalid_argument(e.to_string().replace("StorageClass", "VolumeSnapshotClass"))
+        })?;
+        for (key, want, have) in [
+            (CLUSTER_ID, &params.cluster_id, &source.cluster_id),
+            (POOL, &params.pool, &source.pool),
+        ] {
+            if want.as_ref().is_some_and(|w| w != have) {
+                return Err(Status::invalid_argument(format!(
+                    "the source volume {source} is not in the {key} {:?} the snapshot class names; snapshots stay in their source's pool",
+                    want.as_deref().unwrap_or_default()
+                )));
+            }
+        }
+        let _busy = self.driver.begin(&format!("snapshot/{name}"))?;
+        let conn = self
+            .driver
+            .connect(&source.cluster_id, &req.secrets)
+            .await?;
+        let (snapshot_namespace, snapshot_object) =
+            params.snapshot_object.clone().unwrap_or_default();
+        let owner = SnapshotOwner {
+            provisioner: self.driver.name.clone(),
+            snapshot_name: raw
+                .get(VOLUMESNAPSHOTCONTENT_NAME_META)
+                .cloned()
+                .unwrap_or_else(|| name.clone()),
+            cluster_id: source.cluster_id.clone(),
+            snapshot_namespace,
+            snapshot_object,
+        };
+        let image = format!("{}{}", params.snapshot_name_prefix, image_base(&name));
+        let opts = CloneOptions {
+            depth: params.clone_depth,
+            ..Default::default()
+        };
+        let src = source.clone();
+        let info = self
+            .driver
+            .ceph(&conn, move |c, m| {
+                snap::ensure_snapshot(c, m, &src, &image, &owner, &opts)
+            })
+            .await
+            .map_err(|e| volume_status(&e))?;
+        self.driver.saw_pool(&source);
+        tracing::info!(snapshot = %info.id, source = %source, "CreateSnapshot done");
+        Ok(Response::new(CreateSnapshotResponse {
+            snapshot: Some(csi_snapshot(&info)),
+        }))
     }
 
     async fn delete_snapshot(
         &self,
-        _req: Request<DeleteSnapshotRequest>,
+        req: Request<DeleteSnapshotRequest>,
     ) -> Result<Response<DeleteSnapshotResponse>, Status> {
-        Err(Status::unimplemented("snapshots are not supported yet"))
+        let req = req.into_inner();
+        let id = required("snapshot_id", &req.snapshot_id)?;
+        // An id this driver cannot have made names no snapshot: done.
+        let Ok(sid) = SnapshotId::parse(id) else {
+            return Ok(Response::new(DeleteSnapshotResponse {}));
+        };
+        let _busy = self.driver.begin(id)?;
+        let conn = self.driver.connect(&sid.cluster_id, &req.secrets).await?;
+        let name = self.driver.name.clone();
+        let s = sid.clone();
+        let outcome = self
+            .driver
+            .ceph(&conn, move |c, m| snap::delete_snapshot(c, m, &s, &name))
+            .await;
+        match outcome {
+            Ok(done) => {
+                tracing::info!(snapshot = %sid, outcome = ?done, "DeleteSnapshot done");
+                Ok(Response::new(DeleteSnapshotResponse {}))
+            }
+            // The pool itself is gone: so is the snapshot.
+            Err(VolumeError::Ceph(e)) if e.is_not_found() => {
+                Ok(Response::new(DeleteSnapshotResponse {}))
+            }
+            Err(e) => Err(volume_status(&e)),
+        }
     }
 
     async fn list_snapshots(
         &self,
-        _req: Request<ListSnapshotsRequest>,
+        req: Request<ListSnapshotsRequest>,
     ) -> Result<Response<ListSnapshotsResponse>, Status> {
-        Err(Status::unimplemented("snapshots are not supported yet"))
+        let req = req.into_inner();
+        if req.max_entries < 0 {
+            return Err(Status::invalid_argument("max_entries is negative"));
+        }
+        let start: usize = if req.starting_token.is_empty() {
+            0
+        } else {
+            req.starting_token.parse().map_err(|_| {
+                Status::aborted(format!(
+                    "starting_token {:?} is not one this driver returned",
+                    req.starting_token
+                ))
+            })?
+        };
+        let empty = || {
+            Ok(Response::new(ListSnapshotsResponse {
+                entries: Vec::new(),
+                next_token: String::new(),
+            }))
+        };
+        let mut filter = SnapshotFilter::default();
+        let mut places: Vec<VolumeId> = Vec::new();
+        if !req.snapshot_id.is_empty() {
+            // One this driver cannot have made does not exist.
+            let Ok(sid) = SnapshotId::parse(&req.snapshot_id) else {
+                return empty();
+            };
+            places.push(sid.image_id());
+            filter.snapshot = Some(sid);
+        }
+        if !req.source_volume_id.is_empty() {
+            let Ok(vol) = VolumeId::parse(&req.source_volume_id) else {
+                return empty();
+            };
+            if places.is_empty() {
+                places.push(vol.clone());
+            }
+            filter.source_volume = Some(req.source_volume_id.clone());
+        }
+        if places.is_empty() {
+            places = self
+                .driver
+                .pools_seen()
+                .into_iter()
+                .map(|(cluster_id, pool, rados_namespace)| VolumeId {
+                    cluster_id,
+                    pool,
+                    rados_namespace,
+                    image: String::new(),
+                })
+                .collect();
+        }
+        let mut all: Vec<SnapshotInfo> = Vec::new();
+        for place in places {
+            if self.driver.clusters.get(&place.cluster_id).is_none() {
+                continue;
+            }
+            let conn = self.driver.connect(&place.cluster_id, &req.secrets).await?;
+            let (name, f) = (self.driver.name.clone(), filter.clone());
+            let found = self
+                .driver
+                .ceph(&conn, move |c, m| {
+                    snap::list_snapshots(c, m, &place, &name, &f)
+                })
+                .await;
+            match found {
+                Ok(found) => all.extend(found),
+                Err(VolumeError::Ceph(e)) if e.is_not_found() => {}
+                Err(e) => return Err(volume_status(&e)),
+            }
+        }
+        all.sort_by_key(|i| i.id.handle());
+        let (entries, next) =
+            snap::page(&all, start, req.max_entries as usize).map_err(Status::aborted)?;
+        Ok(Response::new(ListSnapshotsResponse {
+            entries: entries
+                .iter()
+                .map(|i| list_snapshots_response::Entry {
+                    snapshot: Some(csi_snapshot(i)),
+                })
+                .collect(),
+            next_token: next.map(|n| n.to_string()).unwrap_or_default(),
+        }))
     }
 
     async fn get_snapshot(
         &self,
-        _req: Request<GetSnapshotRequest>,
+        req: Request<GetSnapshotRequest>,
     ) -> Result<Response<GetSnapshotResponse>, Status> {
-        Err(Status::unimplemented("snapshots are not supported yet"))
+        let req = req.into_inner();
+        let sid = snapshot_id(&req.snapshot_id)?;
+        if self.driver.clusters.get(&sid.cluster_id).is_none() {
+            return Err(Status::not_found(format!(
+                "no such snapshot: cluster {:?} is not in the clusters config",
+                sid.cluster_id
+            )));
+        }
+        let conn = self.driver.connect(&sid.cluster_id, &req.secrets).await?;
+        let (name, s) = (self.driver.name.clone(), sid.clone());
+        let found = self
+            .driver
+            .ceph(&conn, move |c, m| snap::get_snapshot(c, m, &s, &name))
+            .await;
+        match found {
+            Ok(Some(info)) => Ok(Response::new(GetSnapshotResponse {
+                snapshot: Some(csi_snapshot(&info)),
+            })),
+            Ok(None) => Err(Status::not_found(format!("no such snapshot: {sid}"))),
+            Err(VolumeError::Ceph(e)) if e.is_not_found() => {
+                Err(Status::not_found(format!("no such snapshot: {sid}")))
+            }
+            Err(e) => Err(volume_status(&e)),
+        }
     }
 
     async fn controller_expand_volume(

@@ -268,6 +268,8 @@ pub fn volume_status(e: &VolumeError) -> Status {
         VolumeError::ShrinkRefused { .. } => Status::invalid_argument(e.to_string()),
         VolumeError::PurgeBlocked { .. } => Status::failed_precondition(e.to_string()),
         VolumeError::Missing { .. } => Status::not_found(e.to_string()),
+        VolumeError::Conflict { .. } => Status::already_exists(e.to_string()),
+        VolumeError::Refused { .. } => Status::invalid_argument(e.to_string()),
     }
 }
 

@@ -716,6 +716,19 @@ impl Image {
     }
 }
 
+impl Image {
+    /// Sets the snapshot this handle reads by id, in any snapshot namespace
+    /// (a clone's parent snapshot may be in the trash namespace and have no
+    /// user name). Wraps `rbd_snap_set_by_id`.
+    pub fn set_snapshot_by_id(&mut self, snap_id: u64) -> Result<()> {
+        // SAFETY: the image is open and exclusively borrowed (librbd.h:
+        // rbd_snap_set_by_id changes what the handle reads, like rbd_snap_set).
+        let ret = unsafe { sys::rbd_snap_set_by_id(self.raw, snap_id) };
+        self.cvt(ret, "rbd_snap_set_by_id")?;
+        Ok(())
+    }
+}
+
 impl Drop for Image {
     fn drop(&mut self) {
         if self.raw.is_null() {

@@ -71,8 +71,98 @@ impl VolumeId {
     }
 }
 
+/// Version tag at the start of every snapshot handle this code writes.
+const SNAP_HANDLE_VERSION: &str = "rbdkit1-snap";
+
+/// Where a snapshot lives: the snapshot image (a clone of the source
+/// volume, see [`crate::volume::snapshot`]) and the RBD snapshot on it that
+/// restores are cloned from.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct SnapshotId {
+    /// The clusters-config entry.
+    pub cluster_id: String,
+    /// The pool.
+    pub pool: String,
+    /// The RADOS namespace (empty for the default one).
+    pub rados_namespace: String,
+    /// The snapshot image's name.
+    pub image: String,
+    /// The RBD snapshot's name on that image.
+    pub snap: String,
+}
+
+impl fmt::Display for SnapshotId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}@{}", self.image_id(), self.snap)
+    }
+}
+
+impl SnapshotId {
+    /// The snapshot handle (CSI `snapshot_id`, `snapshotHandle`):
+    /// `rbdkit1-snap/<cluster>/<pool>/<namespace>/<image>@<snap>`, each part
+    /// with `%`, `/` and `@` percent-encoded.
+    pub fn handle(&self) -> String {
+        format!(
+            "{SNAP_HANDLE_VERSION}/{}/{}/{}/{}@{}",
+            escape_snap(&self.cluster_id),
+            escape_snap(&self.pool),
+            escape_snap(&self.rados_namespace),
+            escape_snap(&self.image),
+            escape_snap(&self.snap)
+        )
+    }
+
+    /// Reads a handle made by [`SnapshotId::handle`]; anything else (a
+    /// volume handle included) is refused.
+    pub fn parse(handle: &str) -> Result<SnapshotId, String> {
+        let bad = || {
+            format!(
+                "snapshot handle {handle:?} is not {SNAP_HANDLE_VERSION}/cluster/pool/namespace/image@snapshot"
+            )
+        };
+        let parts: Vec<&str> = handle.split('/').collect();
+        let [SNAP_HANDLE_VERSION, cluster, pool, ns, last] = parts.as_slice() else {
+            return Err(bad());
+        };
+        if last.matches('@').count() != 1 || [cluster, pool, ns].iter().any(|p| p.contains('@')) {
+            return Err(bad());
+        }
+        let (image, snap) = last.split_once('@').ok_or_else(bad)?;
+        let id = SnapshotId {
+            cluster_id: unescape(cluster)?,
+            pool: unescape(pool)?,
+            rados_namespace: unescape(ns)?,
+            image: unescape(image)?,
+            snap: unescape(snap)?,
+        };
+        if id.cluster_id.is_empty()
+            || id.pool.is_empty()
+            || id.image.is_empty()
+            || id.snap.is_empty()
+        {
+            return Err(format!("snapshot handle {handle:?} has an empty part"));
+        }
+        Ok(id)
+    }
+
+    /// The snapshot image as a [`VolumeId`] (same cluster, pool, namespace).
+    pub fn image_id(&self) -> VolumeId {
+        VolumeId {
+            cluster_id: self.cluster_id.clone(),
+            pool: self.pool.clone(),
+            rados_namespace: self.rados_namespace.clone(),
+            image: self.image.clone(),
+        }
+    }
+}
+
 fn escape(s: &str) -> String {
     s.replace('%', "%25").replace('/', "%2F")
+}
+
+/// [`escape`] that also encodes `@`, the separator of a snapshot handle.
+fn escape_snap(s: &str) -> String {
+    escape(s).replace('@', "%40")
 }
 
 fn unescape(s: &str) -> Result<String, String> {
@@ -83,6 +173,7 @@ fn unescape(s: &str) -> Result<String, String> {
         match rest.get(i + 1..i + 3) {
             Some("25") => out.push('%'),
             Some("2F") | Some("2f") => out.push('/'),
+            Some("40") => out.push('@'),
             _ => return Err(format!("bad escape in volume handle part {s:?}")),
         }
         rest = &rest[i + 3..];
@@ -121,6 +212,43 @@ mod tests {
             "rbdkit1/a/b/c/%zz",
         ] {
             assert!(VolumeId::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn snapshot_handles_round_trip_and_parse_strictly() {
+        let id = SnapshotId {
+            cluster_id: "fsid-1".into(),
+            pool: "rbd".into(),
+            rados_namespace: "".into(),
+            image: "snapshot-1".into(),
+            snap: "rbdkit".into(),
+        };
+        assert_eq!(id.handle(), "rbdkit1-snap/fsid-1/rbd//snapshot-1@rbdkit");
+        assert_eq!(SnapshotId::parse(&id.handle()).unwrap(), id);
+        let odd = SnapshotId {
+            cluster_id: "a/b".into(),
+            pool: "p@q".into(),
+            rados_namespace: "ns%1".into(),
+            image: "i@j".into(),
+            snap: "s/t@u".into(),
+        };
+        assert_eq!(SnapshotId::parse(&odd.handle()).unwrap(), odd);
+        let vol = id.image_id().handle();
+        for bad in [
+            "",
+            vol.as_str(),
+            "rbdkit1-snap/a/b/c/d",
+            "rbdkit1-snap/a/b/c/d@",
+            "rbdkit1-snap/a/b/c/@s",
+            "rbdkit1-snap/a/b/c/d@s@t",
+            "rbdkit1-snap/a@x/b/c/d@s",
+            "rbdkit1-snap/a/b/c/d/e@s",
+            "rbdkit1-snap//b/c/d@s",
+            "rbdkit2-snap/a/b/c/d@s",
+            "rbdkit1-snap/a/b/c/%zz@s",
+        ] {
+            assert!(SnapshotId::parse(bad).is_err(), "{bad:?}");
         }
     }
 }

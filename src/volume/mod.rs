@@ -8,6 +8,8 @@
 //! - [`clusters`]: the ceph-csi clusters config and the connection cache;
 //! - [`ops`]: create, delete and expand, with ownership checks;
 //! - [`gc`]: what a provisioner left behind, found and removed.
+//! - [`snapshot`]: snapshots, restores, volume clones, clone depth limits
+//!   and the trash for sources that still have clones.
 //!
 //! Nothing here knows about Kubernetes objects; callers pass plain values.
 
@@ -16,11 +18,12 @@ pub mod gc;
 pub mod id;
 pub mod ops;
 pub mod params;
+pub mod snapshot;
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-pub use id::VolumeId;
+pub use id::{SnapshotId, VolumeId};
 
 use params::ClassParams;
 

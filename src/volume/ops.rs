@@ -19,7 +19,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::rados::{Cluster, IoCtx};
 use crate::rbd::{self, Image, ImageOptions};
@@ -56,7 +56,7 @@ pub struct Owner {
 }
 
 impl Owner {
-    fn pairs(&self) -> [(&'static str, &str); 5] {
+    pub(crate) fn pairs(&self) -> [(&'static str, &str); 5] {
         [
             (META_PROVISIONER, &self.provisioner),
             (META_PV, &self.pv_name),
@@ -107,6 +107,19 @@ pub enum VolumeError {
         /// The image.
         image: String,
     },
+    /// The name is taken by a volume or snapshot made from another source.
+    Conflict {
+        /// The image.
+        image: String,
+        /// What it was made from, and what was asked for.
+        why: String,
+    },
+    /// The request cannot be done as asked (a source in another pool, a
+    /// clone of an image onto itself).
+    Refused {
+        /// What is wrong.
+        why: String,
+    },
 }
 
 impl fmt::Display for VolumeError {
@@ -133,6 +146,10 @@ impl fmt::Display for VolumeError {
                 "image {image} was moved to the trash but cannot be purged yet: {why}"
             ),
             VolumeError::Missing { image } => write!(f, "image {image} does not exist"),
+            VolumeError::Conflict { image, why } => {
+                write!(f, "image {image} already exists with another source: {why}")
+            }
+            VolumeError::Refused { why } => write!(f, "{why}"),
         }
     }
 }
@@ -171,7 +188,7 @@ fn explain_denied(vol: &VolumeId, e: VolumeError) -> VolumeError {
 }
 
 /// Times one Ceph call into `rbdkit_ceph_op_duration_seconds`.
-fn timed<T>(
+pub(crate) fn timed<T>(
     metrics: &dyn CephObserver,
     op: &str,
     f: impl FnOnce() -> crate::Result<T>,
@@ -183,7 +200,7 @@ fn timed<T>(
 }
 
 /// Asks `fence` whether `step` on `object` may run now.
-fn fenced(fence: &dyn Fence, step: &'static str, object: &str) -> crate::Result<()> {
+pub(crate) fn fenced(fence: &dyn Fence, step: &'static str, object: &str) -> crate::Result<()> {
     pause::point(step);
     let out = fence.check(step, object);
     pause::record(step, &out);
@@ -285,14 +302,18 @@ pub mod pause {
     }
 }
 
-fn ioctx(cluster: &Cluster, metrics: &dyn CephObserver, vol: &VolumeId) -> crate::Result<IoCtx> {
+pub(crate) fn ioctx(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    vol: &VolumeId,
+) -> crate::Result<IoCtx> {
     timed(metrics, "ioctx", || {
         cluster.ioctx_ns(&vol.pool, &vol.rados_namespace)
     })
 }
 
 /// Checks an image's owner record against `provisioner` and `pv_name`.
-fn check_owner(
+pub(crate) fn check_owner(
     image: &Image,
     metrics: &dyn CephObserver,
     provisioner: &str,
@@ -453,7 +474,7 @@ fn create_temp(
     }
 }
 
-fn open_if_exists(
+pub(crate) fn open_if_exists(
     io: &IoCtx,
     metrics: &dyn CephObserver,
     name: &str,
@@ -472,6 +493,9 @@ pub enum Deleted {
     Removed,
     /// It went through the trash (it had snapshots or clones) and was purged.
     Purged,
+    /// It is in the trash and is purged when its last clone is flattened or
+    /// deleted ([`crate::volume::snapshot::purge_unused_ancestors`]).
+    Trashed,
     /// There was nothing to remove.
     AlreadyGone,
 }
@@ -529,7 +553,13 @@ fn delete_image_steps(
             // so it can only be ours.
             Err(VolumeError::NotOwned { .. }) if name == temp => {
                 let meta = timed(metrics, "metadata_list", || image.metadata_list())?;
-                if contradicts(&meta, provisioner, Some(pv_name)) {
+                // A clone cut short before its own record still carries its
+                // parent's (librbd copies metadata into clones).
+                let copied = meta.get(META_PV).is_some_and(|p| p != pv_name)
+                    && timed(metrics, "parent_metadata", || {
+                        crate::volume::snapshot::inherited(cluster, &image, META_PV)
+                    })?;
+                if !copied && contradicts(&meta, provisioner, Some(pv_name)) {
                     return Err(VolumeError::NotOwned {
                         image: name.to_owned(),
                         why: "its owner metadata names someone else".into(),
@@ -545,30 +575,18 @@ fn delete_image_steps(
                 watchers: watchers.len(),
             });
         }
-        let id = timed(metrics, "id", || image.id())?;
         drop(image);
-        fenced(fence, "rbd_remove", &object)?;
-        match timed(metrics, "remove", || rbd::remove(&io, name)) {
-            Ok(()) => outcome = Deleted::Removed,
-            Err(e) if e.kind() == ErrorKind::NotFound => {}
-            Err(e)
-                if e.kind() == ErrorKind::Busy
-                    && !has_snapshots_or_children(&io, metrics, name) =>
-            {
-                return Err(VolumeError::InUse {
-                    image: name.to_owned(),
-                    watchers: 0,
-                })
-            }
-            Err(e) if matches!(e.kind(), ErrorKind::HasSnapshots | ErrorKind::Busy) => {
-                fenced(fence, "rbd_trash_move", &object)?;
-                timed(metrics, "trash_move", || {
-                    rbd::trash_move(&io, name, Duration::ZERO)
-                })?;
-                purge(&io, metrics, fence, name, &object, &id)?;
-                outcome = Deleted::Purged;
-            }
-            Err(e) => return Err(e.into()),
+        match crate::volume::snapshot::remove_or_trash(
+            cluster,
+            metrics,
+            fence,
+            &io,
+            name,
+            &object,
+            provisioner,
+        )? {
+            Deleted::AlreadyGone => {}
+            done => outcome = done,
         }
     }
     // A retry after a trash move: finish the purge.
@@ -585,14 +603,25 @@ fn delete_image_steps(
             })?;
             check_owner(&img, metrics, provisioner, pv_name)?;
             drop(img);
-            purge(&io, metrics, fence, &vol.image, &vol.to_string(), &entry.id)?;
-            outcome = Deleted::Purged;
+            outcome = crate::volume::snapshot::purge_trashed(
+                cluster,
+                metrics,
+                fence,
+                &io,
+                &vol.image,
+                &entry.id,
+                provisioner,
+            )?;
         }
     }
     Ok(outcome)
 }
 
-fn has_snapshots_or_children(io: &IoCtx, metrics: &dyn CephObserver, name: &str) -> bool {
+pub(crate) fn has_snapshots_or_children(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    name: &str,
+) -> bool {
     match timed(metrics, "open", || Image::open_read_only(io, name)) {
         Ok(img) => {
             img.snap_list().map(|s| !s.is_empty()).unwrap_or(false)
@@ -602,15 +631,14 @@ fn has_snapshots_or_children(io: &IoCtx, metrics: &dyn CephObserver, name: &str)
     }
 }
 
-fn purge(
+pub(crate) fn purge(
     io: &IoCtx,
     metrics: &dyn CephObserver,
     fence: &dyn Fence,
     name: &str,
-    object: &str,
     id: &str,
 ) -> Result<(), VolumeError> {
-    fenced(fence, "rbd_trash_remove", object)?;
+    fenced(fence, "rbd_trash_remove", name)?;
     match timed(metrics, "trash_remove", || rbd::trash_remove(io, id, true)) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
@@ -688,7 +716,11 @@ pub fn owner_metadata(image: &Image) -> crate::Result<BTreeMap<String, String>> 
 /// Whether a temporary image's (possibly partial) owner record names
 /// another provisioner or PV. A kill -9 between two `metadata_set` calls
 /// leaves only some keys; what is there still has to agree with us.
-fn contradicts(meta: &BTreeMap<String, String>, provisioner: &str, pv_name: Option<&str>) -> bool {
+pub(crate) fn contradicts(
+    meta: &BTreeMap<String, String>,
+    provisioner: &str,
+    pv_name: Option<&str>,
+) -> bool {
     meta.get(META_PROVISIONER).is_some_and(|p| p != provisioner)
         || pv_name.is_some_and(|pv| meta.get(META_PV).is_some_and(|p| p != pv))
 }

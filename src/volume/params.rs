@@ -61,6 +61,20 @@ pub const PVC_NAME_META: &str = "csi.storage.k8s.io/pvc/name";
 /// The claim's namespace, from `--extra-create-metadata`.
 pub const PVC_NAMESPACE_META: &str = "csi.storage.k8s.io/pvc/namespace";
 
+/// Clone depth past which a new clone is flattened in the background (named
+/// after ceph-csi's `--rbdsoftmaxclonedepth` flag).
+pub const SOFT_MAX_CLONE_DEPTH: &str = "rbdSoftMaxCloneDepth";
+/// Clone depth past which a new clone is flattened before it is returned
+/// (ceph-csi's `--rbdhardmaxclonedepth`).
+pub const HARD_MAX_CLONE_DEPTH: &str = "rbdHardMaxCloneDepth";
+/// ceph-csi's default soft clone depth limit.
+pub const DEFAULT_SOFT_MAX_CLONE_DEPTH: u32 = 4;
+/// ceph-csi's default hard clone depth limit.
+pub const DEFAULT_HARD_MAX_CLONE_DEPTH: u32 = 8;
+/// The largest hard limit accepted: deeper chains make every read walk
+/// that many parents.
+pub const MAX_CLONE_DEPTH: u32 = 16;
+
 /// ceph-csi parameters that only tune rbd-nbd's logging: accepted (so a
 /// ceph-csi StorageClass works unchanged) and without effect on the volume.
 const NO_EFFECT: &[&str] = &["cephLogDir", "cephLogStrategy"];
@@ -362,6 +376,61 @@ pub struct ClassParams {
     pub expand_secret: Option<SecretTemplate>,
     /// Credentials for the node (not used here, put on the PV).
     pub node_stage_secret: Option<SecretTemplate>,
+    /// How deep clone chains may grow (restores and volume clones).
+    pub clone_depth: CloneDepth,
+}
+
+/// Bounds on the depth of a clone chain (how many parents an image has).
+/// Past `soft`, a new clone is flattened in the background; past `hard`,
+/// before it is handed out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CloneDepth {
+    /// Flatten in the background past this depth.
+    pub soft: u32,
+    /// Flatten before use past this depth.
+    pub hard: u32,
+}
+
+impl Default for CloneDepth {
+    fn default() -> Self {
+        CloneDepth {
+            soft: DEFAULT_SOFT_MAX_CLONE_DEPTH,
+            hard: DEFAULT_HARD_MAX_CLONE_DEPTH,
+        }
+    }
+}
+
+impl CloneDepth {
+    /// Reads [`SOFT_MAX_CLONE_DEPTH`] and [`HARD_MAX_CLONE_DEPTH`] (each
+    /// optional): whole numbers, `1 <= soft <= hard <= MAX_CLONE_DEPTH`.
+    pub fn parse(params: &BTreeMap<String, String>) -> Result<CloneDepth, ParamError> {
+        let get = |key: &str, default: u32| -> Result<u32, ParamError> {
+            match params.get(key) {
+                None => Ok(default),
+                Some(v) => {
+                    let n: u32 = v.trim().parse().map_err(|_| {
+                        ParamError::new(key, format!("{v:?} is not a whole number"))
+                    })?;
+                    if !(1..=MAX_CLONE_DEPTH).contains(&n) {
+                        return Err(ParamError::new(
+                            key,
+                            format!("{n} is outside 1..={MAX_CLONE_DEPTH}"),
+                        ));
+                    }
+                    Ok(n)
+                }
+            }
+        };
+        let hard = get(HARD_MAX_CLONE_DEPTH, DEFAULT_HARD_MAX_CLONE_DEPTH)?;
+        let soft = get(SOFT_MAX_CLONE_DEPTH, DEFAULT_SOFT_MAX_CLONE_DEPTH.min(hard))?;
+        if soft > hard {
+            return Err(ParamError::new(
+                SOFT_MAX_CLONE_DEPTH,
+                format!("{soft} is more than {HARD_MAX_CLONE_DEPTH} ({hard})"),
+            ));
+        }
+        Ok(CloneDepth { soft, hard })
+    }
 }
 
 /// The parameters the node plugin acts on. They travel to it in the PV's
@@ -558,6 +627,8 @@ impl ClassParams {
             EXPAND_SECRET_NAMESPACE,
             NODE_STAGE_SECRET_NAME,
             NODE_STAGE_SECRET_NAMESPACE,
+            SOFT_MAX_CLONE_DEPTH,
+            HARD_MAX_CLONE_DEPTH,
         ];
         let known = |k: &str| {
             KNOWN.contains(&k) || NO_EFFECT.contains(&k) || NOT_YET.iter().any(|(n, _)| *n == k)
@@ -761,6 +832,7 @@ impl ClassParams {
             provisioner_secret,
             expand_secret,
             node_stage_secret,
+            clone_depth: CloneDepth::parse(params)?,
         })
     }
 
@@ -785,6 +857,112 @@ impl ClassParams {
     /// The image name for a PV: the prefix, then the PV name.
     pub fn image_name(&self, pv_name: &str) -> String {
         format!("{}{pv_name}", self.volume_name_prefix)
+    }
+}
+
+/// Put before the snapshot's request name to make its image name
+/// (ceph-csi's VolumeSnapshotClass parameter of that name).
+pub const SNAPSHOT_NAME_PREFIX: &str = "snapshotNamePrefix";
+/// The VolumeSnapshot's name, from external-snapshotter's
+/// `--extra-create-metadata`.
+pub const VOLUMESNAPSHOT_NAME_META: &str = "csi.storage.k8s.io/volumesnapshot/name";
+/// The VolumeSnapshot's namespace (`--extra-create-metadata`).
+pub const VOLUMESNAPSHOT_NAMESPACE_META: &str = "csi.storage.k8s.io/volumesnapshot/namespace";
+/// The VolumeSnapshotContent's name (`--extra-create-metadata`).
+pub const VOLUMESNAPSHOTCONTENT_NAME_META: &str = "csi.storage.k8s.io/volumesnapshotcontent/name";
+/// The Secret to take and delete snapshots with.
+pub const SNAPSHOTTER_SECRET_NAME: &str = "csi.storage.k8s.io/snapshotter-secret-name";
+/// Its namespace.
+pub const SNAPSHOTTER_SECRET_NAMESPACE: &str = "csi.storage.k8s.io/snapshotter-secret-namespace";
+
+/// A VolumeSnapshotClass's parameters (CSI `CreateSnapshot` parameters),
+/// validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotParams {
+    /// The cluster the source must be in, if the class names one.
+    pub cluster_id: Option<String>,
+    /// The pool the source must be in, if the class names one (snapshot
+    /// images live in their source's pool).
+    pub pool: Option<String>,
+    /// Put before the request name to make the snapshot image's name.
+    pub snapshot_name_prefix: String,
+    /// Clone depth limits for the snapshot image.
+    pub clone_depth: CloneDepth,
+    /// Credentials to take and delete snapshots with, if named.
+    pub snapshotter_secret: Option<SecretTemplate>,
+    /// The VolumeSnapshot's namespace and name, if given.
+    pub snapshot_object: Option<(String, String)>,
+}
+
+impl SnapshotParams {
+    /// Parses and validates a VolumeSnapshotClass's parameters.
+    pub fn parse(params: &BTreeMap<String, String>) -> Result<SnapshotParams, ParamError> {
+        const KNOWN: &[&str] = &[
+            CLUSTER_ID,
+            POOL,
+            SNAPSHOT_NAME_PREFIX,
+            SOFT_MAX_CLONE_DEPTH,
+            HARD_MAX_CLONE_DEPTH,
+            VOLUMESNAPSHOT_NAME_META,
+            VOLUMESNAPSHOT_NAMESPACE_META,
+            VOLUMESNAPSHOTCONTENT_NAME_META,
+            SNAPSHOTTER_SECRET_NAME,
+            SNAPSHOTTER_SECRET_NAMESPACE,
+        ];
+        if let Some(unknown) = params.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+            return Err(ParamError::new(
+                unknown,
+                format!(
+                    "unknown snapshot parameter; known ones: {}",
+                    KNOWN.join(", ")
+                ),
+            ));
+        }
+        let non_empty = |key: &str| -> Result<Option<String>, ParamError> {
+            match params.get(key).map(|v| v.trim()) {
+                None => Ok(None),
+                Some("") => Err(ParamError::new(key, "is empty")),
+                Some(v) => Ok(Some(v.to_owned())),
+            }
+        };
+        let pool = non_empty(POOL)?;
+        if let Some(p) = &pool {
+            check_pool_name(POOL, p)?;
+        }
+        let prefix = params
+            .get(SNAPSHOT_NAME_PREFIX)
+            .cloned()
+            .unwrap_or_default();
+        if prefix.len() > 64
+            || !prefix
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+        {
+            return Err(ParamError::new(
+                SNAPSHOT_NAME_PREFIX,
+                "may hold at most 64 letters, digits, '-', '_' or '.'",
+            ));
+        }
+        let snapshot_object = match (
+            params.get(VOLUMESNAPSHOT_NAMESPACE_META),
+            params.get(VOLUMESNAPSHOT_NAME_META),
+        ) {
+            (Some(ns), Some(n)) => Some((ns.clone(), n.clone())),
+            _ => None,
+        };
+        Ok(SnapshotParams {
+            cluster_id: non_empty(CLUSTER_ID)?,
+            pool,
+            snapshot_name_prefix: prefix,
+            clone_depth: CloneDepth::parse(params)?,
+            snapshotter_secret: SecretTemplate::parse(
+                params,
+                SNAPSHOTTER_SECRET_NAME,
+                SNAPSHOTTER_SECRET_NAMESPACE,
+                true,
+            )?,
+            snapshot_object,
+        })
     }
 }
 
@@ -834,6 +1012,80 @@ pub fn check_access(access_modes: &[String], volume_mode: &str) -> Result<(), St
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn clone_depth_limits_parse_and_are_checked() {
+        let m = |kv: &[(&str, &str)]| -> BTreeMap<String, String> {
+            kv.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        assert_eq!(
+            CloneDepth::parse(&m(&[])).unwrap(),
+            CloneDepth { soft: 4, hard: 8 }
+        );
+        assert_eq!(
+            CloneDepth::parse(&m(&[(HARD_MAX_CLONE_DEPTH, "2")])).unwrap(),
+            CloneDepth { soft: 2, hard: 2 }
+        );
+        assert_eq!(
+            CloneDepth::parse(&m(&[
+                (SOFT_MAX_CLONE_DEPTH, "1"),
+                (HARD_MAX_CLONE_DEPTH, "16")
+            ]))
+            .unwrap(),
+            CloneDepth { soft: 1, hard: 16 }
+        );
+        for bad in [
+            m(&[(SOFT_MAX_CLONE_DEPTH, "9")]),
+            m(&[(HARD_MAX_CLONE_DEPTH, "0")]),
+            m(&[(HARD_MAX_CLONE_DEPTH, "17")]),
+            m(&[(SOFT_MAX_CLONE_DEPTH, "x")]),
+            m(&[(SOFT_MAX_CLONE_DEPTH, "-1")]),
+        ] {
+            assert!(CloneDepth::parse(&bad).is_err(), "{bad:?}");
+        }
+        let class = m(&[
+            (CLUSTER_ID, "c"),
+            (POOL, "rbd"),
+            (SOFT_MAX_CLONE_DEPTH, "3"),
+            (PROVISIONER_SECRET_NAME, "s"),
+            (PROVISIONER_SECRET_NAMESPACE, "n"),
+        ]);
+        assert_eq!(ClassParams::parse(&class).unwrap().clone_depth.soft, 3);
+    }
+
+    #[test]
+    fn snapshot_class_parameters_are_validated() {
+        let m = |kv: &[(&str, &str)]| -> BTreeMap<String, String> {
+            kv.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let p = SnapshotParams::parse(&m(&[
+            (CLUSTER_ID, "c"),
+            (POOL, "rbd"),
+            (SNAPSHOT_NAME_PREFIX, "snap-"),
+            (VOLUMESNAPSHOT_NAME_META, "vs"),
+            (VOLUMESNAPSHOT_NAMESPACE_META, "apps"),
+            (SNAPSHOTTER_SECRET_NAME, "s"),
+            (SNAPSHOTTER_SECRET_NAMESPACE, "n"),
+        ]))
+        .unwrap();
+        assert_eq!(p.cluster_id.as_deref(), Some("c"));
+        assert_eq!(p.snapshot_name_prefix, "snap-");
+        assert_eq!(p.snapshot_object, Some(("apps".into(), "vs".into())));
+        assert!(SnapshotParams::parse(&m(&[])).is_ok());
+        for (bad, key) in [
+            (m(&[("imageFeatures", "layering")]), "imageFeatures"),
+            (m(&[(POOL, "a/b")]), POOL),
+            (m(&[(CLUSTER_ID, " ")]), CLUSTER_ID),
+            (m(&[(SNAPSHOT_NAME_PREFIX, "a b")]), SNAPSHOT_NAME_PREFIX),
+            (m(&[(HARD_MAX_CLONE_DEPTH, "99")]), HARD_MAX_CLONE_DEPTH),
+        ] {
+            assert_eq!(SnapshotParams::parse(&bad).unwrap_err().param, key);
+        }
+    }
 
     fn params(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         let mut m: BTreeMap<String, String> = [
