@@ -23,8 +23,8 @@ struct Second {
 }
 
 impl Second {
-    fn up() -> Second {
-        let dir = std::env::temp_dir().join(format!("rbdkit-second-{}", std::process::id()));
+    fn up(name: &str) -> Second {
+        let dir = std::env::temp_dir().join(format!("rbdkit-{name}-{}", std::process::id()));
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/ceph-test-cluster");
         let out = Command::new(script)
             .args(["up", dir.to_str().unwrap()])
@@ -123,7 +123,7 @@ fn reachable_metric(metrics: &str, cluster: &str) -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_gone_away_costs_no_cpu_and_comes_back_on_demand() {
     let mut env = Env::new("dead").await;
-    let second = Second::up();
+    let second = Second::up("second");
     let stopped_id = format!("{}-second", env.cluster_id);
     let dead_id = format!("{}-dead", env.cluster_id);
     let dead_port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -258,5 +258,124 @@ async fn a_cluster_gone_away_costs_no_cpu_and_comes_back_on_demand() {
 
     env.delete_claim("real").await;
     env.delete_claim("dead").await;
+    let _ = child.terminate();
+}
+
+/// Per thread of `pid`: (tid, comm, utime + stime in ticks).
+fn thread_ticks(pid: u32) -> Vec<(u32, String, u64)> {
+    let mut out = Vec::new();
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return out;
+    };
+    for entry in dir.flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let comm = stat[open + 1..close].to_owned();
+        let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        let ticks = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+        let tid = entry.file_name().to_string_lossy().parse().unwrap();
+        out.push((tid, comm, ticks));
+    }
+    out
+}
+
+/// The review's case: the API server and the Ceph cluster both stopped under
+/// a running provisioner. Neither the kube watchers, the leader election nor
+/// librados may spin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_server_and_cluster_both_gone_cost_no_cpu() {
+    let cp = support::k8s::ControlPlane::start_private();
+    let mut env = Env::new_on(&cp, "both").await;
+    let second = Second::up("both");
+    let id = format!("{}-both", env.cluster_id);
+    let secrets: Api<K8sSecret> = Api::namespaced(env.client.clone(), &env.ns);
+    secrets
+        .create(
+            &PostParams::default(),
+            &from_json(json!({
+                "metadata": {"name": "ceph-both"},
+                "stringData": {"userID": "admin", "userKey": second.admin_key()},
+            })),
+        )
+        .await
+        .unwrap();
+    let config = json!([{"clusterID": id, "monitors": [second.conf_value("mon host")]}]);
+    std::fs::write(env.config_path(), config.to_string()).unwrap();
+    let ns = env.ns.clone();
+    let class = env
+        .storage_class(
+            "b",
+            json!({
+                "clusterID": id,
+                "csi.storage.k8s.io/provisioner-secret-name": "ceph-both",
+                "csi.storage.k8s.io/provisioner-secret-namespace": ns,
+                "csi.storage.k8s.io/controller-expand-secret-name": "ceph-both",
+                "csi.storage.k8s.io/node-stage-secret-name": "ceph-both",
+            }),
+            json!({}),
+        )
+        .await;
+    // Default Ceph timings, as in the review.
+    let mut child = env.start_process("both-1");
+    let pid = child.pid();
+    env.claim("c", &class, "8Mi", &["ReadWriteOnce"], "Filesystem")
+        .await;
+    env.wait_bound("c").await;
+    let names = |t: &[(u32, String, u64)]| t.iter().map(|(_, c, _)| c.clone()).collect::<Vec<_>>();
+    eprintln!("threads while connected: {:?}", names(&thread_ticks(pid)));
+
+    // Both gone, with work in flight (as when a test run's teardown stops
+    // them under an orphaned provisioner): the whole Ceph cluster, then a
+    // claim on it that keeps failing, then the API server.
+    drop(second);
+    env.claim("p", &class, "8Mi", &["ReadWriteOnce"], "Filesystem")
+        .await;
+    env.wait_event("p", "ProvisioningFailed", &[&id]).await;
+    drop(cp);
+    // Let timeouts and backoffs reach their steady state.
+    tokio::time::sleep(Duration::from_secs(15)).await;
+
+    let hz = Command::new("getconf").arg("CLK_TCK").output().unwrap();
+    let hz: f64 = String::from_utf8_lossy(&hz.stdout).trim().parse().unwrap();
+    let before = thread_ticks(pid);
+    let cpu0 = cpu_seconds(pid);
+    let t0 = Instant::now();
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    let cpu = cpu_seconds(pid) - cpu0;
+    let secs = t0.elapsed().as_secs_f64();
+    let after = thread_ticks(pid);
+    let mut per_thread: Vec<(String, f64)> = after
+        .iter()
+        .map(|(tid, comm, t)| {
+            let t0 = before
+                .iter()
+                .find(|(b, _, _)| b == tid)
+                .map_or(0, |(_, _, t)| *t);
+            (
+                format!("{comm}[{tid}]"),
+                (t - t0) as f64 / hz / secs * 100.0,
+            )
+        })
+        .filter(|(_, pct)| *pct > 0.0)
+        .collect();
+    per_thread.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let share = cpu / secs;
+    eprintln!(
+        "provisioner CPU over {secs:.0} s with API server and cluster gone: {cpu:.2} s \
+         ({:.2}% of a core); threads {:?}; busy: {per_thread:?}",
+        share * 100.0,
+        names(&after)
+    );
+    assert!(child.running(), "{}", child.log_tail());
+    assert!(
+        share < 0.05,
+        "{:.1}% of a core; per thread: {per_thread:?}\n{}",
+        share * 100.0,
+        child.log_tail()
+    );
     let _ = child.terminate();
 }

@@ -105,7 +105,12 @@ pub struct Env {
 impl Env {
     /// Sets up a test world named after `test` (a short lowercase word).
     pub async fn new(test: &str) -> Env {
-        let cp = ControlPlane::shared();
+        Env::new_on(ControlPlane::shared(), test).await
+    }
+
+    /// [`Env::new`] on a given control plane (such as a private one the
+    /// test will stop).
+    pub async fn new_on(cp: &ControlPlane, test: &str) -> Env {
         let client = cp.client().await;
         let ceph = TestCluster::get();
         let id = super::ceph::unique(test);
