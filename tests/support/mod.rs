@@ -9,4 +9,6 @@ pub mod data;
 #[cfg(feature = "service")]
 pub mod k8s;
 #[cfg(feature = "service")]
+pub mod manifests;
+#[cfg(feature = "service")]
 pub mod provisioner;
