@@ -162,6 +162,7 @@ const RBDKIT_HOST_DIR: &str = "/var/lib/rbdkit";
 
 /// A Ceph cluster, a control plane and a node with the images imported.
 struct Stack {
+    base: PathBuf,
     ceph_dir: PathBuf,
     ceph_conf: PathBuf,
     cp: ControlPlane,
@@ -190,6 +191,7 @@ impl Stack {
         let ceph_conf = PathBuf::from(export(&out, "CEPH_CONF"));
         let cp = ControlPlane::start_private();
         let mut stack = Stack {
+            base: base.clone(),
             ceph_dir,
             ceph_conf,
             cp,
@@ -393,6 +395,7 @@ impl Drop for Stack {
                 .arg("down")
                 .arg(&self.ceph_dir),
         );
+        let _ = std::fs::remove_dir_all(&self.base);
     }
 }
 
