@@ -12,4 +12,6 @@ pub mod k8s;
 #[cfg(feature = "service")]
 pub mod node;
 #[cfg(feature = "service")]
+pub mod manifests;
+#[cfg(feature = "service")]
 pub mod provisioner;
