@@ -10,8 +10,8 @@ pub mod data;
 #[cfg(feature = "service")]
 pub mod k8s;
 #[cfg(feature = "service")]
-pub mod node;
-#[cfg(feature = "service")]
 pub mod manifests;
+#[cfg(feature = "service")]
+pub mod node;
 #[cfg(feature = "service")]
 pub mod provisioner;
