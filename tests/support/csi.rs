@@ -4,7 +4,6 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,102 +18,8 @@ use tonic::transport::{Channel, Endpoint};
 
 use super::ceph::{unique, TestCluster, TestNs};
 
-/// A child process with its log, killed on drop.
-pub struct Daemon {
-    child: Option<Child>,
-    /// What it is, for messages.
-    pub what: String,
-    /// Its log file (stdout and stderr).
-    pub log: PathBuf,
-    args: Vec<String>,
-}
-
-impl Daemon {
-    fn spawn(what: &str, args: Vec<String>, log: PathBuf) -> Daemon {
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .expect("open log");
-        let child = Command::new(env!("CARGO_BIN_EXE_rbdkit"))
-            .args(&args)
-            .env_remove("CEPH_CONF")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().expect("dup log"))
-            .stderr(out)
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {what}: {e}"));
-        Daemon {
-            child: Some(child),
-            what: what.to_owned(),
-            log,
-            args,
-        }
-    }
-
-    /// The process id.
-    pub fn pid(&self) -> u32 {
-        self.child.as_ref().expect("running").id()
-    }
-
-    /// SIGKILL, as a crash or an OOM kill would, and reap it.
-    pub fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// SIGTERM, then (after at most 10 s) SIGKILL, and reap it.
-    pub fn terminate(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = Command::new("kill")
-                .args(["-TERM", &c.id().to_string()])
-                .status();
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while matches!(c.try_wait(), Ok(None)) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// Starts it again with the same arguments (after [`Daemon::kill9`]).
-    pub fn restart(&mut self) {
-        self.kill9();
-        let again = Daemon::spawn(&self.what, self.args.clone(), self.log.clone());
-        *self = again;
-    }
-
-    /// The whole log.
-    pub fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            let text = self.log_text();
-            let lines: Vec<&str> = text.lines().collect();
-            eprintln!(
-                "--- log of {} ---\n{}",
-                self.what,
-                lines[lines.len().saturating_sub(60)..].join("\n")
-            );
-        }
-        self.kill9();
-        // For the run's key grep.
-        let group = self
-            .log
-            .parent()
-            .and_then(|p| p.file_name())
-            .map(|n| format!("csi-{}", n.to_string_lossy()))
-            .unwrap_or_else(|| "csi".into());
-        super::artifacts::copy(&group, &self.log);
-    }
-}
+/// The rbdkit daemons a [`CsiEnv`] runs.
+pub type Daemon = super::process::Proc;
 
 /// A channel over a unix socket, retried until the server listens.
 pub async fn channel(socket: &Path) -> Channel {
@@ -206,7 +111,7 @@ impl CsiEnv {
         std::fs::write(&config_path, config.to_string()).expect("write config");
         let mapper_sock = dir.path().join("mapper.sock");
         let mapper = (mode == Mode::All).then(|| {
-            Daemon::spawn(
+            Daemon::rbdkit(
                 &format!("fuse-mapper {node_id}"),
                 vec![
                     "fuse-mapper".into(),
@@ -244,7 +149,7 @@ impl CsiEnv {
             format!("topology.rbd.rbdkit.io/node={node_id}"),
         ];
         args.extend(extra_args.iter().map(|a| a.to_string()));
-        let csi = Daemon::spawn(
+        let csi = Daemon::rbdkit(
             &format!("rbdkit csi {node_id}"),
             args,
             dir.path().join("csi.log"),

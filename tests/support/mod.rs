@@ -13,5 +13,6 @@ pub mod k8s;
 pub mod manifests;
 #[cfg(feature = "service")]
 pub mod node;
+pub mod process;
 #[cfg(feature = "service")]
 pub mod provisioner;

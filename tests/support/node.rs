@@ -15,7 +15,7 @@
 //! its logs, the namespace's events and the end of the kubelet's log.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -27,6 +27,8 @@ use kube::Api;
 use serde_json::json;
 
 use super::k8s::ControlPlane;
+use super::process::tail;
+pub use super::process::Proc;
 use super::provisioner::from_json;
 
 /// How long a pod may take to reach a phase.
@@ -151,12 +153,6 @@ impl Node {
     pub fn kubelet_log_tail(&self, n: usize) -> String {
         tail(&self.dir.join("kubelet.log"), n)
     }
-}
-
-fn tail(path: &Path, n: usize) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 /// What a namespace needs before pods run in it, since the test control
@@ -357,110 +353,6 @@ pub async fn delete_pod(node: &Node, client: &kube::Client, ns: &str, name: &str
     }
 }
 
-/// A host process with its log file, killed on drop.
-pub struct Proc {
-    child: Option<Child>,
-    program: PathBuf,
-    args: Vec<String>,
-    /// What it is, for messages.
-    pub what: String,
-    /// stdout and stderr.
-    pub log: PathBuf,
-}
-
-impl Proc {
-    /// Starts `program args` with its output appended to `log`.
-    pub fn spawn(what: &str, program: &Path, args: Vec<String>, log: PathBuf) -> Proc {
-        let mut p = Proc {
-            child: None,
-            program: program.to_owned(),
-            args,
-            what: what.to_owned(),
-            log,
-        };
-        p.start();
-        p
-    }
-
-    fn start(&mut self) {
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log)
-            .expect("open log");
-        let child = Command::new(&self.program)
-            .args(&self.args)
-            .env_remove("CEPH_CONF")
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().expect("dup log"))
-            .stderr(out)
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {}: {e}", self.what));
-        self.child = Some(child);
-    }
-
-    /// The process id.
-    pub fn pid(&self) -> u32 {
-        self.child.as_ref().expect("running").id()
-    }
-
-    /// Whether it still runs.
-    pub fn running(&mut self) -> bool {
-        self.child
-            .as_mut()
-            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
-    }
-
-    /// SIGKILL and reap.
-    pub fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// SIGTERM, then SIGKILL after at most 10 s.
-    pub fn terminate(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = Command::new("kill")
-                .args(["-TERM", &c.id().to_string()])
-                .status();
-            let deadline = Instant::now() + Duration::from_secs(10);
-            while matches!(c.try_wait(), Ok(None)) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-
-    /// kill -9, then the same command again.
-    pub fn restart(&mut self) {
-        self.kill9();
-        self.start();
-    }
-
-    /// The end of its log.
-    pub fn log_tail(&self, n: usize) -> String {
-        tail(&self.log, n)
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!(
-                "--- log of {} ({}) ---\n{}",
-                self.what,
-                self.log.display(),
-                self.log_tail(60)
-            );
-        }
-        self.kill9();
-    }
-}
-
 /// rbdkit's node plugin on the node, as the DaemonSet runs it: the FUSE
 /// mapper, `rbdkit csi --mode node` on
 /// `<kubelet root>/plugins/<driver>/csi.sock`, and the registrar.
@@ -600,7 +492,7 @@ impl NodePlugin {
 
     /// The mapper worker's pid (the supervisor's child), if it runs.
     pub fn mapper_worker_pid(&self) -> Option<u32> {
-        let sup = self.mapper.child.as_ref()?.id();
+        let sup = self.mapper.try_pid()?;
         let children = std::fs::read_to_string(format!("/proc/{sup}/task/{sup}/children")).ok()?;
         children.split_whitespace().next()?.parse().ok()
     }

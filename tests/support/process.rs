@@ -1,0 +1,140 @@
+//! A host process a test starts (an rbdkit daemon, the registrar), with its
+//! output in a log file; killed on drop.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A host process with its log file, killed on drop.
+pub struct Proc {
+    child: Option<Child>,
+    program: PathBuf,
+    args: Vec<String>,
+    /// What it is, for messages.
+    pub what: String,
+    /// stdout and stderr.
+    pub log: PathBuf,
+}
+
+impl Proc {
+    /// Starts `program args` with its output appended to `log`.
+    pub fn spawn(what: &str, program: &Path, args: Vec<String>, log: PathBuf) -> Proc {
+        let mut p = Proc {
+            child: None,
+            program: program.to_owned(),
+            args,
+            what: what.to_owned(),
+            log,
+        };
+        p.start();
+        p
+    }
+
+    /// Starts `rbdkit args` (the binary under test).
+    #[cfg(feature = "service")]
+    pub fn rbdkit(what: &str, args: Vec<String>, log: PathBuf) -> Proc {
+        Proc::spawn(what, Path::new(env!("CARGO_BIN_EXE_rbdkit")), args, log)
+    }
+
+    fn start(&mut self) {
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("open log");
+        let child = Command::new(&self.program)
+            .args(&self.args)
+            .env_remove("CEPH_CONF")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("dup log"))
+            .stderr(out)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", self.what));
+        self.child = Some(child);
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.try_pid().expect("running")
+    }
+
+    /// The process id, unless it was killed or stopped.
+    pub fn try_pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Whether it still runs.
+    pub fn running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
+    /// SIGKILL, as a crash or an OOM kill would, and reap it.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, then (after at most 10 s) SIGKILL, and reap it.
+    pub fn terminate(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &c.id().to_string()])
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while matches!(c.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// kill -9, then the same command again.
+    pub fn restart(&mut self) {
+        self.kill9();
+        self.start();
+    }
+
+    /// The whole log.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The last `n` lines of its log.
+    pub fn log_tail(&self, n: usize) -> String {
+        tail(&self.log, n)
+    }
+}
+
+/// The last `n` lines of the file at `path`.
+pub fn tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "--- log of {} ({}) ---\n{}",
+                self.what,
+                self.log.display(),
+                self.log_tail(60)
+            );
+        }
+        self.kill9();
+        // For the run's key grep.
+        let group = self
+            .log
+            .parent()
+            .and_then(|p| p.file_name())
+            .map(|n| format!("proc-{}", n.to_string_lossy()))
+            .unwrap_or_else(|| "proc".into());
+        super::artifacts::copy(&group, &self.log);
+    }
+}
