@@ -155,7 +155,7 @@ impl Context {
 
     /// Runs a blocking volume operation on the pool with `conn`'s cluster,
     /// and flags the connection for rebuilding if the error says so.
-    async fn ceph<T: Send + 'static>(
+    pub(crate) async fn ceph<T: Send + 'static>(
         &self,
         conn: &Conn,
         f: impl FnOnce(&Cluster, &Metrics, &dyn Fence) -> Result<T, VolumeError> + Send + 'static,
@@ -177,7 +177,11 @@ impl Context {
         out
     }
 
-    async fn connect(&self, cluster_id: &str, secret: &SecretRef) -> Result<Conn, String> {
+    pub(crate) async fn connect(
+        &self,
+        cluster_id: &str,
+        secret: &SecretRef,
+    ) -> Result<Conn, String> {
         let cluster = self
             .clusters
             .get(cluster_id)
@@ -244,7 +248,7 @@ fn now() -> Time {
 /// Adds or removes `finalizer` and sets or removes annotations, on the
 /// latest version of the object, guarded by its resourceVersion. A missing
 /// object is not an error.
-async fn edit_meta<K>(
+pub(crate) async fn edit_meta<K>(
     api: &Api<K>,
     name: &str,
     finalizer: &str,

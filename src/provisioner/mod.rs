@@ -9,7 +9,8 @@
 //! - [`pv`]: the PV built for a claim;
 //! - [`secrets`]: cephx credentials from Secrets;
 //! - [`controller`]: the reconcilers;
-//! - [`metrics`]: Prometheus metrics.
+//! - [`metrics`]: Prometheus metrics;
+//! - [`snapshots`]: the VolumeSnapshotContent reconciler.
 //!
 //! Parameters, the volume handle, the clusters config and the Ceph
 //! operations themselves are in [`crate::volume`], shared with the CSI
@@ -19,6 +20,7 @@ pub mod controller;
 pub mod metrics;
 pub mod pv;
 pub mod secrets;
+pub mod snapshots;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -145,6 +147,11 @@ pub struct ProvisionerArgs {
     /// How long in-flight work may take to finish on shutdown.
     #[arg(long, default_value = "30s")]
     pub shutdown_grace: humantime::Duration,
+
+    /// Handle the VolumeSnapshotContents that name this driver (waits, with
+    /// a log line, while the snapshot CRDs are not installed).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub snapshots: bool,
 }
 
 /// Where the connection cache reports: the metrics, and `/readyz` for
@@ -323,6 +330,7 @@ pub async fn run_until(
         let work = run_controllers(
             Arc::clone(&ctx),
             args.workers,
+            args.snapshots,
             health.clone(),
             stopped(stop_rx.clone()),
         );
@@ -364,6 +372,7 @@ pub async fn run_until(
 async fn run_controllers(
     ctx: Arc<Context>,
     workers: u16,
+    with_snapshots: bool,
     health: Health,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) {
@@ -375,6 +384,12 @@ async fn run_controllers(
     let claim_controller = Controller::new(claims, watcher::Config::default().any_semantic())
         .with_config(config.clone())
         .graceful_shutdown_on(shutdown.clone());
+    let snapshots = snapshots::run(
+        Arc::clone(&ctx),
+        config.clone(),
+        with_snapshots,
+        shutdown.clone(),
+    );
     let pv_controller = Controller::new(pvs, watcher::Config::default().any_semantic())
         .with_config(config)
         .graceful_shutdown_on(shutdown);
@@ -413,7 +428,7 @@ async fn run_controllers(
         });
     // `synced` never ends: it is dropped with the controllers.
     tokio::select! {
-        _ = async { futures::join!(claims, volumes) } => {}
+        _ = async { futures::join!(claims, volumes, snapshots) } => {}
         _ = synced => {}
     }
 }
