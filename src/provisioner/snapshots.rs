@@ -583,9 +583,23 @@ async fn delete_steps(content: &VolumeSnapshotContent, ctx: &Context) -> Result<
     let conn = ctx.connect(&id.cluster_id, &secret).await?;
     let provisioner = ctx.name.clone();
     let sid = id.clone();
+    let source = content
+        .spec
+        .source
+        .volume_handle
+        .as_deref()
+        .and_then(|h| VolumeId::parse(h).ok());
     let outcome = ctx
         .ceph(&conn, move |c, m, f| {
-            snap::delete_snapshot_fenced(c, m, f, &sid, &provisioner)
+            let done = snap::delete_snapshot_fenced(c, m, f, &sid, &provisioner)?;
+            // A create killed early leaves its temporary snapshot on the
+            // source, where only the content's spec can point.
+            if let Some(src) =
+                source.filter(|s| s.pool == sid.pool && s.rados_namespace == sid.rados_namespace)
+            {
+                snap::remove_temp_snapshot(c, m, f, &src, &sid.image)?;
+            }
+            Ok(done)
         })
         .await;
     match outcome {

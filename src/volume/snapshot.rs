@@ -847,6 +847,30 @@ pub fn delete_snapshot_fenced(
     Ok(outcome)
 }
 
+/// Removes the temporary RBD snapshot a create of snapshot image `image`
+/// may have left on `source` (a create killed before its clone had owner
+/// metadata names the source nowhere else). Nothing there is fine; a
+/// missing source too.
+pub fn remove_temp_snapshot(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    fence: &dyn Fence,
+    source: &VolumeId,
+    image: &str,
+) -> Result<(), VolumeError> {
+    let io = ioctx(cluster, metrics, source)?;
+    let snap = temp_snap_name(image);
+    let Some(img) = open_if_exists(&io, metrics, &source.image)? else {
+        return Ok(());
+    };
+    if !timed(metrics, "snap_exists", || img.snap_exists(&snap))? {
+        return Ok(());
+    }
+    drop(img);
+    fenced(fence, "rbd_snap_remove", &source.image)?;
+    remove_temp_snap(&io, metrics, &source.image, &snap)
+}
+
 /// A retry after a trash move: purges the trash entries named `name` that
 /// are `provisioner`'s, if nothing depends on them any more.
 fn purge_named_in_trash(
