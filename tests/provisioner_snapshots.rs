@@ -368,3 +368,25 @@ async fn kill9_mid_snapshot_leaves_exactly_one_snapshot_and_no_leak() {
     assert!(user_snaps(&env, &vol.image).is_empty());
     snaps::delete_class(&env.client, &sclass).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_snapshot_crds_the_provisioner_says_so_and_provisions() {
+    // A control plane of its own, where the CRDs were never installed.
+    let cp = ControlPlane::start_private();
+    let mut env = Env::new_on(&cp, "snapnocrd").await;
+    let class = env.storage_class("sc", json!({}), json!({})).await;
+    let mut p = env.start_process("nocrd-1");
+    env.claim("data", &class, "8Mi", &["ReadWriteOnce"], "Filesystem")
+        .await;
+    env.wait_bound("data").await;
+    eventually("the missing-CRD log line", WAIT, || async {
+        let log = p.log_text();
+        if log.contains("VolumeSnapshotContent CRD") && log.contains("is not installed") {
+            Ok(())
+        } else {
+            Err(p.log_tail())
+        }
+    })
+    .await;
+    assert!(p.running(), "the provisioner exited:\n{}", p.log_tail());
+}
