@@ -390,3 +390,71 @@ async fn without_the_snapshot_crds_the_provisioner_says_so_and_provisions() {
     .await;
     assert!(p.running(), "the provisioner exited:\n{}", p.log_tail());
 }
+
+/// Server-side applies one manifest document.
+async fn apply(client: &kube::Client, doc: &serde_json::Value) {
+    let api_version = doc["apiVersion"].as_str().unwrap();
+    let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
+    let kind = doc["kind"].as_str().unwrap();
+    let plural = format!("{}s", kind.to_lowercase()).replace("classs", "classes");
+    let ar = kube::api::ApiResource::from_gvk_with_plural(
+        &kube::api::GroupVersionKind::gvk(group, version, kind),
+        &plural,
+    );
+    let api: kube::Api<kube::api::DynamicObject> = match doc["metadata"]["namespace"].as_str() {
+        Some(ns) => kube::Api::namespaced_with(client.clone(), ns, &ar),
+        None => kube::Api::all_with(client.clone(), &ar),
+    };
+    api.patch(
+        doc["metadata"]["name"].as_str().unwrap(),
+        &kube::api::PatchParams::apply("rbdkit-tests").force(),
+        &kube::api::Patch::Apply(doc),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("apply {kind}: {e}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deploy_rbac_and_example_class_are_enough_for_snapshots() {
+    let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy");
+    let (env, class) = setup("snaprbac").await;
+    for file in ["namespace.yaml", "rbac.yaml"] {
+        let text = std::fs::read_to_string(deploy.join(file)).unwrap();
+        let docs: Vec<serde_json::Value> = serde_saphyr::from_multiple(&text).unwrap();
+        for d in docs.iter().filter(|d| !d.is_null()) {
+            apply(&env.client, d).await;
+        }
+    }
+    // The example class, pointed at this test's driver, cluster and Secret.
+    let text = std::fs::read_to_string(deploy.join("example/volumesnapshotclass.yaml")).unwrap();
+    let mut example: serde_json::Value = serde_saphyr::from_str(&text).unwrap();
+    assert_eq!(example["kind"], json!("VolumeSnapshotClass"));
+    let sclass = format!("{}-example", env.ns);
+    example["metadata"]["name"] = json!(sclass);
+    example["driver"] = json!(env.name);
+    let p = &mut example["parameters"];
+    p["clusterID"] = json!(env.cluster_id);
+    p["csi.storage.k8s.io/snapshotter-secret-name"] = json!(env.secret);
+    p["csi.storage.k8s.io/snapshotter-secret-namespace"] = json!(env.ns);
+    let obj: kube::api::DynamicObject = serde_json::from_value(example).unwrap();
+    snaps::classes(&env.client)
+        .create(&Default::default(), &obj)
+        .await
+        .expect("create the example class");
+
+    // Run as the ServiceAccount of deploy/rbac.yaml.
+    let kubeconfig = env.kubeconfig_as("system:serviceaccount:rbdkit:rbdkit-provisioner");
+    let _p = env.start_in_process_with(&[
+        ("--kubeconfig", kubeconfig.to_str().unwrap()),
+        ("--leader-election-namespace", "rbdkit"),
+    ]);
+    let vol = source(&env, &class, "src", 11).await;
+    snaps::create_snapshot(&env.client, &env.ns, "s", &sclass, "src").await;
+    let vs = snaps::wait_ready(&env.client, &env.ns, "s", WAIT).await;
+    let cname = content(&env, &vs).await.metadata.name.unwrap();
+    assert_eq!(snapshot_images(&env).len(), 1);
+    snaps::delete_snapshot(&env.client, &env.ns, "s").await;
+    wait_content_gone(&env, &cname).await;
+    assert_eq!(env.images(), vec![vol.image.clone()]);
+    snaps::delete_class(&env.client, &sclass).await;
+}
