@@ -396,7 +396,7 @@ async fn class_params(
         .as_deref()
         .filter(|c| !c.is_empty())
     else {
-        return Ok(SnapshotParams::parse(&BTreeMap::new()).map_err(|e| e.to_string())?);
+        return SnapshotParams::parse(&BTreeMap::new()).map_err(|e| e.to_string());
     };
     let classes: Api<VolumeSnapshotClass> = Api::all(ctx.client.clone());
     let class = classes
