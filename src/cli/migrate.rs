@@ -583,9 +583,11 @@ async fn create(run: &Run, new: &PersistentVolume) -> Result<PersistentVolume, S
                     _ if tokio::time::Instant::now() < deadline => {
                         tokio::time::sleep(Duration::from_millis(100)).await;
                     }
-                    _ => return Err(format!(
+                    _ => {
+                        return Err(format!(
                         "PV {name} still exists and is not the CSI PV; is it still being deleted?"
-                    )),
+                    ))
+                    }
                 }
             }
             Ok(Err(e)) => return Err(format!("create the CSI PV: {e}")),
