@@ -17,6 +17,8 @@ use crate::rbd::{self, Features, Image, ImageOptions};
 
 pub mod gc;
 pub use gc::{run_gc, GcArgs};
+pub mod migrate;
+pub use migrate::{run_migrate, MigrateArgs};
 
 /// How to reach the cluster, shared by every subcommand.
 #[derive(Debug, Clone, Args)]

@@ -28,6 +28,9 @@ enum Command {
     FuseMapper(rbdkit::node::fuse_daemon::FuseMapperArgs),
     /// List (and with --apply remove) the images a provisioner left behind.
     Gc(rbdkit::cli::GcArgs),
+    /// Turn PVs of the old RBD provisioners (rbd-provisioner, in-tree, rook
+    /// flex) into rbdkit CSI PVs on the same images (a dry run unless --apply).
+    Migrate(rbdkit::cli::MigrateArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,6 +53,7 @@ fn main() -> ExitCode {
         Command::Provisioner(args) => serve(rbdkit::provisioner::run(args)),
         Command::Csi(args) => serve(rbdkit::csi::run(args)),
         Command::Gc(args) => serve(rbdkit::cli::run_gc(args)),
+        Command::Migrate(args) => serve(rbdkit::cli::run_migrate(args)),
     }
 }
 

@@ -12,7 +12,7 @@
 //! across restarts, and the image name derives from the claim's uid, so a
 //! retry finds the image a previous attempt made.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -37,6 +37,7 @@ use crate::provisioner::pv::{
 use crate::provisioner::secrets;
 use crate::rados::Cluster;
 use crate::volume::clusters::{ClustersFile, Conn, Connections};
+use crate::volume::legacy;
 use crate::volume::ops::{self, Deleted, Owner, VolumeError};
 use crate::volume::params::{check_access, ClassParams, SecretRef, TemplateContext};
 use crate::volume::{Fence, VolumeId};
@@ -98,6 +99,11 @@ pub struct Context {
     pub fence: Arc<dyn Fence>,
     /// When work on an object started, for the duration metrics.
     started: Mutex<HashMap<String, Instant>>,
+    /// The legacy provisioners whose PVs are deleted and expanded until
+    /// they are migrated (`--adopt-legacy`).
+    pub adopt: BTreeSet<legacy::Kind>,
+    /// The Secret legacy volumes are deleted and expanded with.
+    pub legacy_secret: Option<SecretRef>,
 }
 
 impl fmt::Debug for Context {
@@ -134,7 +140,52 @@ impl Context {
             limiter,
             fence,
             started: Mutex::new(HashMap::new()),
+            adopt: BTreeSet::new(),
+            legacy_secret: None,
         }
+    }
+
+    /// Deletes and expands the unmigrated PVs of `adopt`'s provisioners,
+    /// with the credentials in `secret`.
+    pub fn with_legacy(mut self, adopt: BTreeSet<legacy::Kind>, secret: Option<SecretRef>) -> Self {
+        self.adopt = adopt;
+        self.legacy_secret = secret;
+        self
+    }
+
+    /// The volume of a legacy PV this provisioner adopts, if it is one.
+    fn legacy_volume(&self, pv: &PersistentVolume) -> Option<Result<VolumeId, String>> {
+        legacy::adoptable(pv, &self.adopt, &self.clusters.config())
+            .map(|r| r.map(|(_, vol)| vol).map_err(|e| e.to_string()))
+    }
+
+    /// Writes rbdkit's owner record onto a legacy PV's image (refusing an
+    /// image another rbdkit owns), so the usual checked delete and expand
+    /// accept it. A no-op for rbdkit's own PVs.
+    async fn adopt_legacy(
+        &self,
+        conn: &Conn,
+        pv: &PersistentVolume,
+        vol: &VolumeId,
+    ) -> Result<(), String> {
+        if our_volume(pv, &self.name).is_some() {
+            return Ok(());
+        }
+        let claim = pv.spec.as_ref().and_then(|s| s.claim_ref.as_ref());
+        let owner = Owner {
+            provisioner: self.name.clone(),
+            pv_name: pv.name_any(),
+            pvc_namespace: claim.and_then(|c| c.namespace.clone()).unwrap_or_default(),
+            pvc_name: claim.and_then(|c| c.name.clone()).unwrap_or_default(),
+            cluster_id: vol.cluster_id.clone(),
+        };
+        let v = vol.clone();
+        self.ceph(conn, move |c, m, f| {
+            legacy::adopt_image(c, m, f, &v, &owner)
+        })
+        .await
+        .map(|_| ())
+        .map_err(|e| format!("cannot adopt legacy image {vol}: {e}"))
     }
 
     fn first_attempt(&self, key: &str) -> Instant {
@@ -755,7 +806,7 @@ async fn expand(
     let Some(pv) = pvs.get_opt(pv_name).await? else {
         return Ok(Action::await_change());
     };
-    let Some(Ok(vol)) = our_volume(&pv, &ctx.name) else {
+    let Some(Ok(vol)) = our_volume(&pv, &ctx.name).or_else(|| ctx.legacy_volume(&pv)) else {
         return Ok(Action::await_change());
     };
     let class_name = claim
@@ -878,8 +929,10 @@ async fn expand_steps(
 
     let secret = expand_secret(pv)
         .or_else(|| deletion_secret(pv))
+        .or_else(|| ctx.legacy_secret.clone())
         .ok_or("the PV names no controller-expand secret")?;
     let conn = ctx.connect(&vol.cluster_id, &secret).await?;
+    ctx.adopt_legacy(&conn, pv, vol).await?;
     let provisioner = ctx.name.clone();
     let vol_c = vol.clone();
     let pv_c = pv_name.clone();
@@ -970,7 +1023,7 @@ pub async fn reconcile_pv(
     pv: Arc<PersistentVolume>,
     ctx: Arc<Context>,
 ) -> Result<Action, ReconcileError> {
-    let Some(vol) = our_volume(&pv, &ctx.name) else {
+    let Some(vol) = our_volume(&pv, &ctx.name).or_else(|| ctx.legacy_volume(&pv)) else {
         return Ok(Action::await_change());
     };
     ctx.limiter.acquire().await;
@@ -1057,8 +1110,16 @@ async fn delete_steps(
     ctx: &Context,
 ) -> Result<Deleted, String> {
     let vol = vol?;
-    let secret = deletion_secret(pv).ok_or("the PV names no Secret to delete its volume with")?;
+    let secret = deletion_secret(pv)
+        .or_else(|| {
+            our_volume(pv, &ctx.name)
+                .is_none()
+                .then(|| ctx.legacy_secret.clone())
+                .flatten()
+        })
+        .ok_or("the PV names no Secret to delete its volume with")?;
     let conn = ctx.connect(&vol.cluster_id, &secret).await?;
+    ctx.adopt_legacy(&conn, pv, &vol).await?;
     let provisioner = ctx.name.clone();
     let pv_name = pv.name_any();
     let vol_c = vol.clone();

@@ -152,6 +152,21 @@ pub struct ProvisionerArgs {
     /// a log line, while the snapshot CRDs are not installed).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub snapshots: bool,
+
+    /// Legacy provisioners (`ceph.com/rbd`, `kubernetes.io/rbd`,
+    /// `ceph.rook.io/block`, comma-separated) whose unmigrated PVs this
+    /// provisioner deletes (reclaim Delete, once released) and expands. Their
+    /// cluster is found as `rbdkit migrate` finds it (rook's
+    /// `clusterNamespace`, or `clusterName`, as a clusterID; monitors
+    /// matched); the image gets rbdkit's owner record first, and one owned
+    /// by another rbdkit is never touched.
+    #[arg(long, value_name = "PROVISIONER[,...]", default_value = "")]
+    pub adopt_legacy: String,
+
+    /// The Secret (`NAMESPACE/NAME`, `userID`/`userKey`) to delete and
+    /// expand legacy volumes with (their PVs name none rbdkit can use).
+    #[arg(long, value_name = "NAMESPACE/NAME")]
+    pub legacy_secret: Option<String>,
 }
 
 /// Where the connection cache reports: the metrics, and `/readyz` for
@@ -294,18 +309,39 @@ pub async fn run_until(
         None
     };
 
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        args.name.clone(),
-        clusters,
-        conns,
-        pool,
-        Events::new(client.clone(), &args.name, &identity),
-        metrics.clone(),
-        backoff,
-        Arc::new(RateLimiter::new(args.rate_limit, args.rate_burst)),
-        fence,
-    ));
+    let adopt = crate::volume::legacy::Kind::parse_list(&args.adopt_legacy)
+        .map_err(|e| anyhow::anyhow!("--adopt-legacy: {e}"))?;
+    let legacy_secret = match &args.legacy_secret {
+        Some(s) => match s.split_once('/') {
+            Some((ns, name)) if !ns.is_empty() && !name.is_empty() => {
+                Some(crate::volume::params::SecretRef {
+                    namespace: ns.to_owned(),
+                    name: name.to_owned(),
+                })
+            }
+            _ => anyhow::bail!("--legacy-secret {s:?}: expected NAMESPACE/NAME"),
+        },
+        None => None,
+    };
+    anyhow::ensure!(
+        adopt.is_empty() || legacy_secret.is_some(),
+        "--adopt-legacy needs --legacy-secret"
+    );
+    let ctx = Arc::new(
+        Context::new(
+            client.clone(),
+            args.name.clone(),
+            clusters,
+            conns,
+            pool,
+            Events::new(client.clone(), &args.name, &identity),
+            metrics.clone(),
+            backoff,
+            Arc::new(RateLimiter::new(args.rate_limit, args.rate_burst)),
+            fence,
+        )
+        .with_legacy(adopt, legacy_secret),
+    );
 
     let mut leader_rx_loop = leader_rx.clone();
     let mut stop_loop = stop_rx.clone();

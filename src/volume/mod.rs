@@ -8,14 +8,18 @@
 //! - [`clusters`]: the ceph-csi clusters config and the connection cache;
 //! - [`ops`]: create, delete and expand, with ownership checks;
 //! - [`gc`]: what a provisioner left behind, found and removed.
+//! - [`legacy`]: PVs of the old RBD provisioners, read, matched to a cluster
+//!   and taken over.
 //! - [`snapshot`]: snapshots, restores, volume clones, clone depth limits
 //!   and the trash for sources that still have clones.
 //!
-//! Nothing here knows about Kubernetes objects; callers pass plain values.
+//! Nothing here knows about Kubernetes objects (callers pass plain values)
+//! except [`legacy`], whose input is the old PVs themselves.
 
 pub mod clusters;
 pub mod gc;
 pub mod id;
+pub mod legacy;
 pub mod ops;
 pub mod params;
 pub mod snapshot;

@@ -10,6 +10,8 @@ pub mod data;
 #[cfg(feature = "service")]
 pub mod k8s;
 #[cfg(feature = "service")]
+pub mod legacy;
+#[cfg(feature = "service")]
 pub mod manifests;
 #[cfg(feature = "service")]
 pub mod node;
