@@ -9,16 +9,20 @@
 //! - [`pv`]: the PV built for a claim;
 //! - [`secrets`]: cephx credentials from Secrets;
 //! - [`controller`]: the reconcilers;
-//! - [`metrics`]: Prometheus metrics.
+//! - [`metrics`]: Prometheus metrics;
+//! - [`source`]: claims with a data source (clones, restores);
+//! - [`maintenance`]: background flattens and the trash, while leading.
 //!
 //! Parameters, the volume handle, the clusters config and the Ceph
 //! operations themselves are in [`crate::volume`], shared with the CSI
 //! controller.
 
 pub mod controller;
+pub mod maintenance;
 pub mod metrics;
 pub mod pv;
 pub mod secrets;
+pub mod source;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -145,6 +149,11 @@ pub struct ProvisionerArgs {
     /// How long in-flight work may take to finish on shutdown.
     #[arg(long, default_value = "30s")]
     pub shutdown_grace: humantime::Duration,
+
+    /// How often the leader resumes background flattens of deep clones and
+    /// purges trashed images whose last clone has gone.
+    #[arg(long, default_value = "1m")]
+    pub maintenance_interval: humantime::Duration,
 }
 
 /// Where the connection cache reports: the metrics, and `/readyz` for
@@ -325,6 +334,7 @@ pub async fn run_until(
             args.workers,
             health.clone(),
             stopped(stop_rx.clone()),
+            (args.maintenance_interval.into(), op_timeout),
         );
         let grace: Duration = args.shutdown_grace.into();
         tokio::select! {
@@ -366,6 +376,7 @@ async fn run_controllers(
     workers: u16,
     health: Health,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    (maintenance_interval, op_timeout): (Duration, Duration),
 ) {
     let shutdown = futures::FutureExt::shared(Box::pin(shutdown));
     let config = ControllerConfig::default().concurrency(workers);
@@ -411,9 +422,13 @@ async fn run_controllers(
                 tracing::debug!(error = %e, "volume controller");
             }
         });
+    // Never ends either; dropped (mid-pass too) with the controllers.
+    let maintenance =
+        crate::provisioner::maintenance::run(Arc::clone(&ctx), maintenance_interval, op_timeout);
     // `synced` never ends: it is dropped with the controllers.
     tokio::select! {
         _ = async { futures::join!(claims, volumes) } => {}
         _ = synced => {}
+        _ = maintenance => {}
     }
 }
