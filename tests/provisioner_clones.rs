@@ -1,7 +1,7 @@
 //! Claims with a data source against a real control plane and a real Ceph
 //! cluster: PVC clones (data, a bigger size, depth limits, the source
 //! deleted while its clone lives, refusals), and a kill -9 loop during a
-//! clone.
+//! clone; restores from a VolumeSnapshot, waiting until it is ready.
 #![cfg(feature = "service")]
 
 mod support;
