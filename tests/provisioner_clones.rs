@@ -18,7 +18,9 @@ use rbdkit::provisioner::source::CLONE_FINALIZER;
 use rbdkit::rbd::{self, Image};
 
 use support::data::pattern;
+use support::k8s::ControlPlane;
 use support::provisioner::{eventually, from_json, stays, Env, WAIT};
+use support::snapshots::{self as snaps, SnapshotController};
 
 const BLOCK: &str = "Block";
 const RWO: &[&str] = &["ReadWriteOnce"];
@@ -430,4 +432,114 @@ async fn killed_during_a_clone_and_restarted_leaves_one_clone_and_no_leak() {
         .count();
     assert_eq!(ours, 1);
     drop(p);
+}
+
+/// Creates a claim restored from VolumeSnapshot `snapshot`.
+async fn restore_claim(env: &Env, name: &str, class: &str, size: &str, snapshot: &str) {
+    env.claims()
+        .create(
+            &PostParams::default(),
+            &from_json::<PersistentVolumeClaim>(json!({
+                "metadata": {"name": name},
+                "spec": {
+                    "storageClassName": class,
+                    "accessModes": RWO,
+                    "volumeMode": BLOCK,
+                    "resources": {"requests": {"storage": size}},
+                    "dataSourceRef": {
+                        "apiGroup": "snapshot.storage.k8s.io",
+                        "kind": "VolumeSnapshot",
+                        "name": snapshot,
+                    },
+                },
+            })),
+        )
+        .await
+        .expect("create restore claim");
+}
+
+async fn phase(env: &Env, claim: &str) -> String {
+    env.claims()
+        .get(claim)
+        .await
+        .expect("get claim")
+        .status
+        .and_then(|s| s.phase)
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restores_have_the_snapshot_data_and_wait_for_a_snapshot_not_ready() {
+    SnapshotController::shared(ControlPlane::shared()).await;
+    let mut env = Env::new("restore").await;
+    let class = env.storage_class("restore", json!({}), json!({})).await;
+    let snap_class = snaps::create_class(
+        &env.client,
+        &format!("{}-snap", env.ns),
+        &env.name,
+        json!({
+            "csi.storage.k8s.io/snapshotter-secret-name": env.secret,
+            "csi.storage.k8s.io/snapshotter-secret-namespace": env.ns,
+        }),
+        "Delete",
+    )
+    .await;
+    let provisioner = env.start_in_process();
+    let src = source_with_data(&env, "src", &class, 8, 41).await;
+
+    // A snapshot, then the source changes: the restore has the old data.
+    snaps::create_snapshot(&env.client, &env.ns, "snap", &snap_class, "src").await;
+    snaps::wait_ready(&env.client, &env.ns, "snap", WAIT).await;
+    let img = Image::open(&env.rbd.ioctx, &src).unwrap();
+    img.write(0, &pattern(42, MIB as usize)).unwrap();
+    img.flush().unwrap();
+    drop(img);
+    let t0 = Instant::now();
+    restore_claim(&env, "restored", &class, "12Mi", "snap").await;
+    let (claim, pv) = env.wait_bound("restored").await;
+    eprintln!("restore claim create -> Bound took {:?}", t0.elapsed());
+    let restored = pv.metadata.name.clone().unwrap();
+    assert_eq!(size_of(&env, &restored), 12 * MIB);
+    assert_eq!(claim.status.unwrap().capacity.unwrap()["storage"].0, "12Mi");
+    assert_eq!(first_mib(&env, &restored), pattern(41, MIB as usize));
+    assert_eq!(first_mib(&env, &src), pattern(42, MIB as usize));
+
+    // Smaller than the snapshot: refused.
+    restore_claim(&env, "tiny", &class, "4Mi", "snap").await;
+    env.wait_event(
+        "tiny",
+        "ProvisioningFailed",
+        &["smaller than its source", "\"snap\""],
+    )
+    .await;
+
+    // A snapshot that is not ready (its claim does not exist yet): the
+    // restore waits with an event and makes nothing, then goes on.
+    snaps::create_snapshot(&env.client, &env.ns, "early", &snap_class, "later").await;
+    restore_claim(&env, "from-early", &class, "8Mi", "early").await;
+    env.wait_event(
+        "from-early",
+        "WaitingForDataSource",
+        &["VolumeSnapshot \"early\""],
+    )
+    .await;
+    let before = env.images();
+    stays(
+        "nothing restored while not ready",
+        Duration::from_secs(2),
+        || async {
+            let (images, p) = (env.images(), phase(&env, "from-early").await);
+            if images == before && p == "Pending" {
+                Ok(())
+            } else {
+                Err(format!("images {images:?}, phase {p}"))
+            }
+        },
+    )
+    .await;
+    source_with_data(&env, "later", &class, 8, 43).await;
+    let (_, pv) = env.wait_bound("from-early").await;
+    let image = pv.metadata.name.unwrap();
+    assert!(has_parent(&env, &image), "a clone of the snapshot image");
+    provisioner.stop().await;
 }

@@ -253,7 +253,7 @@ fn now() -> Time {
 /// Adds or removes `finalizer` and sets or removes annotations, on the
 /// latest version of the object, guarded by its resourceVersion. A missing
 /// object is not an error.
-async fn edit_meta<K>(
+pub(crate) async fn edit_meta<K>(
     api: &Api<K>,
     name: &str,
     finalizer: &str,

@@ -12,6 +12,7 @@
 //! - [`metrics`]: Prometheus metrics;
 //! - [`source`]: claims with a data source (clones, restores);
 //! - [`maintenance`]: background flattens and the trash, while leading.
+//! - [`snapshots`]: the VolumeSnapshotContent reconciler.
 //!
 //! Parameters, the volume handle, the clusters config and the Ceph
 //! operations themselves are in [`crate::volume`], shared with the CSI
@@ -22,6 +23,7 @@ pub mod maintenance;
 pub mod metrics;
 pub mod pv;
 pub mod secrets;
+pub mod snapshots;
 pub mod source;
 
 use std::net::SocketAddr;
@@ -154,6 +156,11 @@ pub struct ProvisionerArgs {
     /// purges trashed images whose last clone has gone.
     #[arg(long, default_value = "1m")]
     pub maintenance_interval: humantime::Duration,
+
+    /// Handle the VolumeSnapshotContents that name this driver (waits, with
+    /// a log line, while the snapshot CRDs are not installed).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub snapshots: bool,
 }
 
 /// Where the connection cache reports: the metrics, and `/readyz` for
@@ -332,6 +339,7 @@ pub async fn run_until(
         let work = run_controllers(
             Arc::clone(&ctx),
             args.workers,
+            args.snapshots,
             health.clone(),
             stopped(stop_rx.clone()),
             (args.maintenance_interval.into(), op_timeout),
@@ -374,6 +382,7 @@ pub async fn run_until(
 async fn run_controllers(
     ctx: Arc<Context>,
     workers: u16,
+    with_snapshots: bool,
     health: Health,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     (maintenance_interval, op_timeout): (Duration, Duration),
@@ -386,6 +395,12 @@ async fn run_controllers(
     let claim_controller = Controller::new(claims, watcher::Config::default().any_semantic())
         .with_config(config.clone())
         .graceful_shutdown_on(shutdown.clone());
+    let snapshots = snapshots::run(
+        Arc::clone(&ctx),
+        config.clone(),
+        with_snapshots,
+        shutdown.clone(),
+    );
     let pv_controller = Controller::new(pvs, watcher::Config::default().any_semantic())
         .with_config(config)
         .graceful_shutdown_on(shutdown);
@@ -427,7 +442,7 @@ async fn run_controllers(
         crate::provisioner::maintenance::run(Arc::clone(&ctx), maintenance_interval, op_timeout);
     // `synced` never ends: it is dropped with the controllers.
     tokio::select! {
-        _ = async { futures::join!(claims, volumes) } => {}
+        _ = async { futures::join!(claims, volumes, snapshots) } => {}
         _ = synced => {}
         _ = maintenance => {}
     }

@@ -556,6 +556,20 @@ pub fn ensure_snapshot(
     owner: &SnapshotOwner,
     opts: &CloneOptions,
 ) -> Result<SnapshotInfo, VolumeError> {
+    ensure_snapshot_fenced(cluster, metrics, &UNFENCED, source, image, owner, opts)
+}
+
+/// [`ensure_snapshot`] with `fence` asked before each destructive step (the
+/// provisioner's leader lease).
+pub fn ensure_snapshot_fenced(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    fence: &dyn Fence,
+    source: &VolumeId,
+    image: &str,
+    owner: &SnapshotOwner,
+    opts: &CloneOptions,
+) -> Result<SnapshotInfo, VolumeError> {
     let io = ioctx(cluster, metrics, source)?;
     let sid = SnapshotId {
         cluster_id: source.cluster_id.clone(),
@@ -617,7 +631,7 @@ pub fn ensure_snapshot(
         if depth > opts.depth.soft {
             let parent = timed(metrics, "parent", || img.parent())?;
             flatten_open(metrics, &img, opts.flatten_timeout)?;
-            purge_unused_ancestors(cluster, metrics, &UNFENCED, parent, &owner.provisioner)?;
+            purge_unused_ancestors(cluster, metrics, fence, parent, &owner.provisioner)?;
         }
         opts.step(7, image)?;
         match timed(metrics, "snap_create", || img.snap_create(SNAP_NAME)) {
@@ -786,6 +800,17 @@ pub fn delete_snapshot(
     id: &SnapshotId,
     provisioner: &str,
 ) -> Result<Deleted, VolumeError> {
+    delete_snapshot_fenced(cluster, metrics, &UNFENCED, id, provisioner)
+}
+
+/// [`delete_snapshot`] with `fence` asked before each destructive step.
+pub fn delete_snapshot_fenced(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    fence: &dyn Fence,
+    id: &SnapshotId,
+    provisioner: &str,
+) -> Result<Deleted, VolumeError> {
     let place = id.image_id();
     let io = ioctx(cluster, metrics, &place)?;
     let temp = format!("{}{TEMP_SUFFIX}", id.image);
@@ -820,6 +845,7 @@ pub fn delete_snapshot(
             }
         }
         let img = timed(metrics, "open", || Image::open(&io, name))?;
+        fenced(fence, "rbd_snap_remove", name)?;
         for s in user_snaps(&img, metrics)? {
             // With clone format 2, one with restores moves to the snapshot
             // trash namespace.
@@ -830,7 +856,7 @@ pub fn delete_snapshot(
             }
         }
         timed(metrics, "close", || img.close())?;
-        match remove_or_trash(cluster, metrics, &UNFENCED, &io, name, name, provisioner)? {
+        match remove_or_trash(cluster, metrics, fence, &io, name, name, provisioner)? {
             Deleted::AlreadyGone => {}
             done => outcome = done,
         }

@@ -16,3 +16,5 @@ pub mod node;
 pub mod process;
 #[cfg(feature = "service")]
 pub mod provisioner;
+#[cfg(feature = "service")]
+pub mod snapshots;
