@@ -265,9 +265,9 @@ async fn deep_chains_are_flattened_now_past_the_hard_limit_and_later_past_the_so
             json!({}),
         )
         .await;
-    // No maintenance pass but the one at start, so the background flatten
-    // is seen to wait for the restart.
-    let provisioner = env.start_in_process_with(&[("--maintenance-interval", "1h")]);
+    // No maintenance pass in this run, so the background flatten is seen
+    // to wait for the restart.
+    let provisioner = env.start_in_process_with(&[("--maintenance-delay", "1h")]);
     let c0 = source_with_data(&env, "c0", &class, 8, 21).await;
     let mut images = vec![c0];
     for i in 1..=3 {
@@ -300,7 +300,7 @@ async fn deep_chains_are_flattened_now_past_the_hard_limit_and_later_past_the_so
     provisioner.stop().await;
 
     // A restarted provisioner finds the pending flatten and does it.
-    let provisioner = env.start_in_process_with(&[("--maintenance-interval", "1h")]);
+    let provisioner = env.start_in_process_with(&[("--maintenance-delay", "1s")]);
     let c2_pv = images[2].clone();
     eventually(
         "c2 flattened by the restarted provisioner",

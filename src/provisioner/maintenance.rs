@@ -33,15 +33,12 @@ pub const MAX_FLATTENS: usize = 16;
 /// flatten gets in one pass; the next pass goes on.
 pub const FLATTEN_ROUNDS: u32 = 6;
 
-/// Delay before the first pass, so that the reconciles a restart wakes
-/// go first (a pass may remove the temporary snapshot of a clone that has
-/// not started yet; that clone's retry makes it again).
-pub const FIRST_PASS_DELAY: Duration = Duration::from_secs(3);
-
-/// Runs a pass every `interval` (the first one soon after the start) until
-/// dropped.
-pub async fn run(ctx: Arc<Context>, interval: Duration, op_timeout: Duration) {
-    tokio::time::sleep(FIRST_PASS_DELAY.min(interval)).await;
+/// Runs a pass after `delay` (so that the reconciles a restart wakes go
+/// first: a pass may remove the temporary snapshot of a clone that has not
+/// started yet, which that clone's retry makes again), then every
+/// `interval`, until dropped.
+pub async fn run(ctx: Arc<Context>, delay: Duration, interval: Duration, op_timeout: Duration) {
+    tokio::time::sleep(delay).await;
     loop {
         let started = Instant::now();
         match pass(&ctx, op_timeout).await {

@@ -157,6 +157,11 @@ pub struct ProvisionerArgs {
     #[arg(long, default_value = "1m")]
     pub maintenance_interval: humantime::Duration,
 
+    /// Delay of the first maintenance pass after the lease is taken, so the
+    /// reconciles a restart wakes go first.
+    #[arg(long, default_value = "3s")]
+    pub maintenance_delay: humantime::Duration,
+
     /// Handle the VolumeSnapshotContents that name this driver (waits, with
     /// a log line, while the snapshot CRDs are not installed).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -342,7 +347,11 @@ pub async fn run_until(
             args.snapshots,
             health.clone(),
             stopped(stop_rx.clone()),
-            (args.maintenance_interval.into(), op_timeout),
+            (
+                args.maintenance_delay.into(),
+                args.maintenance_interval.into(),
+                op_timeout,
+            ),
         );
         let grace: Duration = args.shutdown_grace.into();
         tokio::select! {
@@ -385,7 +394,7 @@ async fn run_controllers(
     with_snapshots: bool,
     health: Health,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    (maintenance_interval, op_timeout): (Duration, Duration),
+    (maintenance_delay, maintenance_interval, op_timeout): (Duration, Duration, Duration),
 ) {
     let shutdown = futures::FutureExt::shared(Box::pin(shutdown));
     let config = ControllerConfig::default().concurrency(workers);
@@ -438,8 +447,12 @@ async fn run_controllers(
             }
         });
     // Never ends either; dropped (mid-pass too) with the controllers.
-    let maintenance =
-        crate::provisioner::maintenance::run(Arc::clone(&ctx), maintenance_interval, op_timeout);
+    let maintenance = crate::provisioner::maintenance::run(
+        Arc::clone(&ctx),
+        maintenance_delay,
+        maintenance_interval,
+        op_timeout,
+    );
     // `synced` never ends: it is dropped with the controllers.
     tokio::select! {
         _ = async { futures::join!(claims, volumes, snapshots) } => {}
