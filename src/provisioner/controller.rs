@@ -35,11 +35,13 @@ use crate::provisioner::pv::{
     pv_name_for, PvInput, PV_FINALIZER,
 };
 use crate::provisioner::secrets;
+use crate::provisioner::source::{self, Source, Unresolved};
 use crate::rados::Cluster;
 use crate::volume::clusters::{ClustersFile, Conn, Connections};
 use crate::volume::legacy;
 use crate::volume::ops::{self, Deleted, Owner, VolumeError};
 use crate::volume::params::{check_access, ClassParams, SecretRef, TemplateContext};
+use crate::volume::snapshot::{self as snap, CloneOptions, Flatten};
 use crate::volume::{Fence, VolumeId};
 
 /// Finalizer on a claim while its image may exist without a PV.
@@ -54,6 +56,9 @@ pub const ANN_STORAGE_PROVISIONER: &str = "volume.kubernetes.io/storage-provisio
 pub const ANN_STORAGE_PROVISIONER_BETA: &str = "volume.beta.kubernetes.io/storage-provisioner";
 /// Set by the scheduler on WaitForFirstConsumer claims.
 pub const ANN_SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
+/// PV annotation: its clone is past the soft depth limit and is to be
+/// flattened in the background (removed once done).
+pub const PV_FLATTEN_ANNOTATION: &str = "rbdkit.io/flatten-pending";
 
 /// A failed reconcile; the message has already been reported (event, log).
 #[derive(Debug)]
@@ -432,6 +437,7 @@ async fn claim_inner(
         .filter(|v| !v.is_empty());
     if let Some(pv_name) = bound_to {
         if has_finalizer && for_us {
+            release_source(ctx, claim).await?;
             drop_claim_finalizer(ctx, claim).await?;
         }
         return expand(claim, &pv_name, ctx).await;
@@ -446,34 +452,56 @@ async fn claim_inner(
 /// event, or (`quiet`) only logged.
 struct Failure {
     why: String,
+    /// Waiting for something not ready yet (a Normal event, not a
+    /// failure).
+    wait: bool,
 }
 
 impl From<String> for Failure {
     fn from(why: String) -> Self {
-        Failure { why }
+        Failure { why, wait: false }
     }
 }
 
 impl From<&str> for Failure {
     fn from(why: &str) -> Self {
-        Failure {
-            why: why.to_owned(),
-        }
+        why.to_owned().into()
     }
 }
 
 impl From<kube::Error> for Failure {
     fn from(e: kube::Error) -> Self {
-        Failure {
-            why: format!("Kubernetes API: {e}"),
-        }
+        format!("Kubernetes API: {e}").into()
     }
 }
 
 impl From<crate::volume::params::ParamError> for Failure {
     fn from(e: crate::volume::params::ParamError) -> Self {
-        Failure { why: e.to_string() }
+        e.to_string().into()
     }
+}
+
+impl From<Unresolved> for Failure {
+    fn from(u: Unresolved) -> Self {
+        match u {
+            Unresolved::Wait(why) => Failure { why, wait: true },
+            Unresolved::Refused(why) => why.into(),
+        }
+    }
+}
+
+/// Lets go of the claim's source claim, if it is a clone.
+async fn release_source(ctx: &Context, claim: &PersistentVolumeClaim) -> Result<(), kube::Error> {
+    let Some(src) = source::source_claim(claim) else {
+        return Ok(());
+    };
+    source::release_source(
+        &ctx.client,
+        &claim.namespace().unwrap_or_default(),
+        &src,
+        claim.metadata.uid.as_deref().unwrap_or_default(),
+    )
+    .await
 }
 
 async fn provision(claim: &PersistentVolumeClaim, ctx: &Context) -> Result<Action, ReconcileError> {
@@ -518,6 +546,7 @@ async fn provision(claim: &PersistentVolumeClaim, ctx: &Context) -> Result<Actio
                 .await;
             return Err(ReconcileError(f.why));
         }
+        release_source(ctx, claim).await?;
         drop_claim_finalizer(ctx, claim).await?;
         return Ok(Action::await_change());
     }
@@ -529,6 +558,12 @@ async fn provision(claim: &PersistentVolumeClaim, ctx: &Context) -> Result<Actio
                 tracing::info!(claim = %claim_key(claim), pv = %pv_name, took = ?started.elapsed(), "provisioned");
             }
             Ok(Action::await_change())
+        }
+        Err(f) if f.wait => {
+            ctx.events
+                .normal(&claim_ref(claim), "WaitingForDataSource", &f.why)
+                .await;
+            Err(ReconcileError(f.why))
         }
         Err(f) => {
             ctx.metrics.provision_failed(&class_name);
@@ -550,7 +585,16 @@ async fn provision_steps(
     let claim_uid = claim.metadata.uid.clone().unwrap_or_default();
 
     let params = ClassParams::parse(&class.parameters.clone().unwrap_or_default())?;
-    check_access(&claim_access_modes(claim), &claim_volume_mode(claim))?;
+    let data_source = source::data_source(claim);
+    let mut modes = claim_access_modes(claim);
+    if data_source.is_some() && modes.iter().any(|m| m == "ReadOnlyMany") {
+        // ReadOnlyMany is fine for a volume with content.
+        modes.retain(|m| m != "ReadOnlyMany");
+        if modes.is_empty() {
+            modes.push("ReadWriteOnce".to_owned());
+        }
+    }
+    check_access(&modes, &claim_volume_mode(claim))?;
     check_unsupported(claim)?;
     let requested = storage_request(claim)?;
     let size = round_up_mib(requested.max(1)).max(MIB);
@@ -599,6 +643,16 @@ async fn provision_steps(
         rados_namespace: cluster.rados_namespace.clone(),
         image: params.image_name(pv_name),
     };
+    let class_name = class.name_any();
+    let source = match &data_source {
+        None => None,
+        Some(ds) => {
+            let s = source::resolve(&ctx.client, &ctx.name, claim, ds).await?;
+            source::check_place(&s, &vol, &class_name)?;
+            source::check_size(&s, size)?;
+            Some(s)
+        }
+    };
 
     // Credentials and connection first: a missing Secret or an unreachable
     // cluster must not leave a finalizer that needs them to be removed.
@@ -641,12 +695,43 @@ async fn provision_steps(
         .image_options()
         .map_err(|e| format!("image options: {e}"))?;
     let vol_c = vol.clone();
-    let created = ctx
-        .ceph(&conn, move |c, m, f| {
-            ops::ensure_image(c, m, f, &vol_c, size, &options, &owner)
-        })
-        .await
-        .map_err(|e| format!("cannot create image {vol}: {e}"))?;
+    let mut flatten_later = false;
+    let created = match source {
+        None => ctx
+            .ceph(&conn, move |c, m, f| {
+                ops::ensure_image(c, m, f, &vol_c, size, &options, &owner)
+            })
+            .await
+            .map_err(|e| format!("cannot create image {vol}: {e}"))?,
+        Some(src) => {
+            if let Source::Volume { claim: name, .. } = &src {
+                // Its PV (and image) stays until the clone is made.
+                if !source::set_protection(&ctx.client, &namespace, name, true).await? {
+                    return Err(format!("source claim {name:?} is being deleted").into());
+                }
+            }
+            let opts = CloneOptions {
+                depth: params.clone_depth,
+                fence: Arc::clone(&ctx.fence),
+                ..Default::default()
+            };
+            let what = src.describe();
+            let cloned = ctx
+                .ceph(&conn, move |c, m, _| match &src {
+                    Source::Volume { volume, .. } => snap::ensure_volume_from_volume(
+                        c, m, volume, &vol_c, size, &options, &owner, &opts,
+                    ),
+                    Source::Snapshot { snapshot, .. } => snap::ensure_volume_from_snapshot(
+                        c, m, snapshot, &vol_c, size, &options, &owner, &opts,
+                    ),
+                })
+                .await
+                .map_err(|e| format!("cannot clone image {vol} from {what}: {e}"))?;
+            tracing::info!(image = %vol, source = %what, depth = cloned.depth, flatten = ?cloned.flatten, "cloned");
+            flatten_later = cloned.flatten == Flatten::Background;
+            cloned.size
+        }
+    };
     drop(conn);
     if created < size {
         return Err(format!(
@@ -667,6 +752,11 @@ async fn provision_steps(
         expand_secret: &expand_secret,
         node_stage_secret: node_secret.as_ref(),
     });
+    let mut pv = pv;
+    if flatten_later {
+        pv.annotations_mut()
+            .insert(PV_FLATTEN_ANNOTATION.to_owned(), "true".to_owned());
+    }
     match pvs.create(&PostParams::default(), &pv).await {
         Ok(_) => {}
         Err(kube::Error::Api(e)) if e.code == 409 => {
@@ -685,6 +775,7 @@ async fn provision_steps(
             &format!("Successfully provisioned volume {pv_name} (image {vol})"),
         )
         .await;
+    release_source(ctx, claim).await?;
     drop_claim_finalizer(ctx, claim).await?;
     Ok(())
 }
@@ -693,12 +784,6 @@ async fn provision_steps(
 /// empty volume where content or a particular volume was asked for.
 fn check_unsupported(claim: &PersistentVolumeClaim) -> Result<(), String> {
     let spec = claim.spec.as_ref();
-    if spec.is_some_and(|s| s.data_source.is_some() || s.data_source_ref.is_some()) {
-        return Err(
-            "the claim has a data source (clone or snapshot restore), which this provisioner does not support yet"
-                .into(),
-        );
-    }
     if spec.is_some_and(|s| s.selector.is_some()) {
         return Err("the claim has a selector, which dynamic provisioning does not support".into());
     }
@@ -739,6 +824,7 @@ async fn claim_deleted(
             }
         }
     }
+    release_source(ctx, claim).await?;
     drop_claim_finalizer(ctx, claim).await?;
     ctx.finished(claim.metadata.uid.as_deref().unwrap_or_default());
     tracing::info!(claim = %key, "claim deleted during provisioning; cleaned up");

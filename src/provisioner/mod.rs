@@ -10,6 +10,8 @@
 //! - [`secrets`]: cephx credentials from Secrets;
 //! - [`controller`]: the reconcilers;
 //! - [`metrics`]: Prometheus metrics;
+//! - [`source`]: claims with a data source (clones, restores);
+//! - [`maintenance`]: background flattens and the trash, while leading.
 //! - [`snapshots`]: the VolumeSnapshotContent reconciler.
 //!
 //! Parameters, the volume handle, the clusters config and the Ceph
@@ -17,10 +19,12 @@
 //! controller.
 
 pub mod controller;
+pub mod maintenance;
 pub mod metrics;
 pub mod pv;
 pub mod secrets;
 pub mod snapshots;
+pub mod source;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -147,6 +151,16 @@ pub struct ProvisionerArgs {
     /// How long in-flight work may take to finish on shutdown.
     #[arg(long, default_value = "30s")]
     pub shutdown_grace: humantime::Duration,
+
+    /// How often the leader resumes background flattens of deep clones and
+    /// purges trashed images whose last clone has gone.
+    #[arg(long, default_value = "1m")]
+    pub maintenance_interval: humantime::Duration,
+
+    /// Delay of the first maintenance pass after the lease is taken, so the
+    /// reconciles a restart wakes go first.
+    #[arg(long, default_value = "3s")]
+    pub maintenance_delay: humantime::Duration,
 
     /// Handle the VolumeSnapshotContents that name this driver (waits, with
     /// a log line, while the snapshot CRDs are not installed).
@@ -369,6 +383,11 @@ pub async fn run_until(
             args.snapshots,
             health.clone(),
             stopped(stop_rx.clone()),
+            (
+                args.maintenance_delay.into(),
+                args.maintenance_interval.into(),
+                op_timeout,
+            ),
         );
         let grace: Duration = args.shutdown_grace.into();
         tokio::select! {
@@ -411,6 +430,7 @@ async fn run_controllers(
     with_snapshots: bool,
     health: Health,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    (maintenance_delay, maintenance_interval, op_timeout): (Duration, Duration, Duration),
 ) {
     let shutdown = futures::FutureExt::shared(Box::pin(shutdown));
     let config = ControllerConfig::default().concurrency(workers);
@@ -462,9 +482,17 @@ async fn run_controllers(
                 tracing::debug!(error = %e, "volume controller");
             }
         });
+    // Never ends either; dropped (mid-pass too) with the controllers.
+    let maintenance = crate::provisioner::maintenance::run(
+        Arc::clone(&ctx),
+        maintenance_delay,
+        maintenance_interval,
+        op_timeout,
+    );
     // `synced` never ends: it is dropped with the controllers.
     tokio::select! {
         _ = async { futures::join!(claims, volumes, snapshots) } => {}
         _ = synced => {}
+        _ = maintenance => {}
     }
 }

@@ -123,7 +123,7 @@ pub struct SnapshotOwner {
 }
 
 /// How the snapshot and clone operations bound their work.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct CloneOptions {
     /// Clone depth limits.
     pub depth: CloneDepth,
@@ -134,6 +134,19 @@ pub struct CloneOptions {
     /// the process had been killed there.
     #[doc(hidden)]
     pub stop_after: Option<u32>,
+    /// Asked before each destructive step of a volume clone (the
+    /// provisioner's lease); [`NoFence`] by default.
+    pub fence: std::sync::Arc<dyn Fence>,
+}
+
+impl std::fmt::Debug for CloneOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CloneOptions")
+            .field("depth", &self.depth)
+            .field("flatten_timeout", &self.flatten_timeout)
+            .field("stop_after", &self.stop_after)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for CloneOptions {
@@ -142,6 +155,7 @@ impl Default for CloneOptions {
             depth: CloneDepth::default(),
             flatten_timeout: Duration::from_secs(120),
             stop_after: None,
+            fence: std::sync::Arc::new(NoFence),
         }
     }
 }
@@ -401,6 +415,7 @@ fn make_clone(
         None => {
             if job.temp_snap {
                 let parent = timed(metrics, "open", || Image::open(io, job.parent))?;
+                fenced(&*opts.fence, "rbd_snap_create", job.parent)?;
                 match timed(metrics, "snap_create", || {
                     parent.snap_create(job.parent_snap)
                 }) {
@@ -411,12 +426,14 @@ fn make_clone(
                 timed(metrics, "close", || parent.close())?;
             }
             opts.step(1, job.parent_snap)?;
+            fenced(&*opts.fence, "rbd_clone3", &temp)?;
             clone_temp(metrics, job, &temp)?
         }
     };
     opts.step(2, &temp)?;
     // librbd copies the parent's metadata into a clone: drop the parent's
     // owner record before writing ours.
+    fenced(&*opts.fence, "rbd_metadata_set", &temp)?;
     for k in meta(&image, metrics)?.keys() {
         if k.starts_with("rbdkit.") && !job.meta.iter().any(|(m, _)| m == k) {
             timed(metrics, "metadata_remove", || image.metadata_remove(k))?;
@@ -428,14 +445,17 @@ fn make_clone(
     opts.step(3, &temp)?;
     let current = timed(metrics, "size", || image.size())?;
     if job.size > current {
+        fenced(&*opts.fence, "rbd_resize", &temp)?;
         timed(metrics, "resize", || image.resize(job.size))?;
     }
     timed(metrics, "close", || image.close())?;
     opts.step(4, &temp)?;
     if job.temp_snap {
+        fenced(&*opts.fence, "rbd_snap_remove", job.parent)?;
         remove_temp_snap(io, metrics, job.parent, job.parent_snap)?;
     }
     opts.step(5, &temp)?;
+    fenced(&*opts.fence, "rbd_rename", &temp)?;
     match timed(metrics, "rename", || rbd::rename(io, &temp, job.name)) {
         Ok(()) => {}
         // An earlier attempt renamed it: the caller checks what is there.
@@ -1134,9 +1154,10 @@ fn finish_clone(
     let depth = timed(metrics, "clone_depth", || clone_depth(cluster, &img))?;
     let flatten = if depth > opts.depth.hard {
         let parent = timed(metrics, "parent", || img.parent())?;
+        fenced(&*opts.fence, "rbd_flatten", &vol.image)?;
         flatten_open(metrics, &img, opts.flatten_timeout)?;
         timed(metrics, "close", || img.close())?;
-        purge_unused_ancestors(cluster, metrics, &UNFENCED, parent, provisioner)?;
+        purge_unused_ancestors(cluster, metrics, &*opts.fence, parent, provisioner)?;
         Flatten::Done
     } else if depth > opts.depth.soft {
         Flatten::Background
