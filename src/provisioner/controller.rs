@@ -171,8 +171,10 @@ impl Context {
             Ok(inner) => inner,
             Err(e) => Err(VolumeError::Ceph(e)),
         };
-        if let Err(VolumeError::Ceph(e)) = &out {
-            conn.check(e);
+        match &out {
+            Err(VolumeError::Ceph(e)) => conn.check(e),
+            // Any other outcome was an answer from the cluster.
+            _ => conn.answered(),
         }
         out
     }
