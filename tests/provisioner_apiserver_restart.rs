@@ -45,6 +45,17 @@ async fn apiserver_restart_mid_run_resumes_without_duplicates() {
             .await;
     }
     env.delete_claim("gone").await;
+    let mut bound_before = 0;
+    for n in &inflight {
+        let c = env.claims().get(n).await.unwrap();
+        if c.status.and_then(|s| s.phase).as_deref() == Some("Bound") {
+            bound_before += 1;
+        }
+    }
+    eprintln!(
+        "restarting kube-apiserver with {bound_before} of {} new claims Bound",
+        inflight.len()
+    );
     let t0 = Instant::now();
     cp.restart_apiserver();
     eprintln!("kube-apiserver restarted in {:?}", t0.elapsed());
@@ -153,7 +164,7 @@ async fn apiserver_restart_mid_run_resumes_without_duplicates() {
     );
     let log = child.log_text();
     eprintln!(
-        "provisioner log: {} watch/API errors, lost the lease: {}",
+        "provisioner log: {} warnings, stepped down for want of the API server: {}",
         log.matches("\"level\":\"WARN\"").count(),
         log.contains("stopping work")
     );

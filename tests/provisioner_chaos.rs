@@ -84,6 +84,33 @@ async fn phase(env: &Env, claim: &str) -> Option<String> {
         .and_then(|c| c.status?.phase)
 }
 
+/// Whether some claim is not in its final state: not yet Bound, Bound
+/// with our finalizer still on, being expanded, or deleted with its PV
+/// still there; or a temporary image exists.
+async fn in_flight(env: &Env, deleted: &BTreeSet<String>) -> bool {
+    let Ok(claims) = env.claims().list(&ListParams::default()).await else {
+        return false;
+    };
+    let busy = claims.items.iter().any(|c| {
+        let name = c.metadata.name.clone().unwrap_or_default();
+        let status = c.status.clone().unwrap_or_default();
+        let ours = c
+            .metadata
+            .finalizers
+            .as_ref()
+            .is_some_and(|f| f.iter().any(|f| f == CLAIM_FINALIZER));
+        let resizing = status
+            .conditions
+            .as_ref()
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Resizing"));
+        status.phase.as_deref() != Some("Bound")
+            || ours
+            || resizing
+            || (deleted.contains(&name) && c.metadata.deletion_timestamp.is_some())
+    });
+    busy || env.images().iter().any(|i| i.ends_with(TEMP_SUFFIX))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_at_random_moments_leaves_one_pv_and_one_image_per_claim() {
     let seed = std::env::var("RBDKIT_CHAOS_SEED")
@@ -156,6 +183,7 @@ async fn kill_9_at_random_moments_leaves_one_pv_and_one_image_per_claim() {
 
     let started = Instant::now();
     let mut kills = 0;
+    let mut mid_work = 0;
     while kills < KILLS || !workload_done.load(Ordering::SeqCst) {
         assert!(
             started.elapsed() < Duration::from_secs(150),
@@ -164,6 +192,10 @@ async fn kill_9_at_random_moments_leaves_one_pv_and_one_image_per_claim() {
         tokio::time::sleep(rng.millis(200, 2500)).await;
         p.kill9();
         kills += 1;
+        // Was anything half done at that moment?
+        if in_flight(&env, &deleted).await {
+            mid_work += 1;
+        }
         run += 1;
         p = env.start_process_with(&format!("chaos-{run}"), &flags);
     }
@@ -283,7 +315,7 @@ async fn kill_9_at_random_moments_leaves_one_pv_and_one_image_per_claim() {
     assert!(trash.is_empty(), "trash: {trash:?}");
 
     eprintln!(
-        "chaos: seed {seed}, {kills} kill -9s over {chaos_took:?}, {CLAIMS} claims \
+        "chaos: seed {seed}, {kills} kill -9s ({mid_work} with work in flight) over {chaos_took:?}, {CLAIMS} claims \
          ({} deleted, {} expanded), {} PVs, {} images, 0 temporary images, 0 trash entries, \
          0 stuck finalizers",
         deleted.len(),
@@ -307,5 +339,6 @@ async fn kill_9_at_random_moments_leaves_one_pv_and_one_image_per_claim() {
     })
     .await;
     assert!(p.running(), "{}", p.log_tail());
+    assert!(mid_work > 0, "no kill landed while work was in flight");
     drop(p);
 }
