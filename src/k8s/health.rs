@@ -1,7 +1,7 @@
 //! The HTTP endpoints for the kubelet and Prometheus: `/healthz` (the process
 //! serves requests), `/readyz` (the caches have synced and this replica holds
 //! the lease; still 200 but `degraded: …` naming them while some Ceph
-//! clusters are unreachable) and `/metrics` (the Prometheus text format).
+//! clusters are unreachable or their operations time out) and `/metrics` (the Prometheus text format).
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -21,6 +21,7 @@ pub struct Health {
     leader: Arc<AtomicBool>,
     synced: Arc<AtomicBool>,
     unreachable: Arc<std::sync::Mutex<BTreeSet<String>>>,
+    timing_out: Arc<std::sync::Mutex<BTreeSet<String>>>,
     registry: Arc<std::sync::Mutex<Registry>>,
 }
 
@@ -40,6 +41,7 @@ impl Health {
             leader: Arc::default(),
             synced: Arc::default(),
             unreachable: Arc::default(),
+            timing_out: Arc::default(),
             registry: Arc::new(std::sync::Mutex::new(registry)),
         }
     }
@@ -62,6 +64,29 @@ impl Health {
         } else {
             set.insert(cluster_id.to_owned());
         }
+    }
+
+    /// Records whether operations on the Ceph cluster `cluster_id` time out
+    /// (set by a timed-out call, cleared by the next one answered).
+    pub fn set_cluster_ops_timing_out(&self, cluster_id: &str, timing_out: bool) {
+        let mut set = self.timing_out.lock().unwrap_or_else(|e| e.into_inner());
+        if timing_out {
+            if set.insert(cluster_id.to_owned()) {
+                tracing::warn!(cluster = %cluster_id, "Ceph operations time out; /readyz reports the cluster degraded");
+            }
+        } else if set.remove(cluster_id) {
+            tracing::info!(cluster = %cluster_id, "Ceph operations answered again");
+        }
+    }
+
+    /// The Ceph clusters whose last operation timed out, sorted.
+    pub fn timing_out_clusters(&self) -> Vec<String> {
+        self.timing_out
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .cloned()
+            .collect()
     }
 
     /// The Ceph clusters currently unreachable, sorted.
@@ -132,13 +157,21 @@ async fn readyz(State(h): State<Health>) -> impl IntoResponse {
         (true, true) => {
             // Still ready: the other clusters are served.
             let down = h.unreachable_clusters();
-            if down.is_empty() {
+            let slow = h.timing_out_clusters();
+            let mut why = Vec::new();
+            if !down.is_empty() {
+                why.push(format!("Ceph cluster(s) unreachable: {}", down.join(", ")));
+            }
+            if !slow.is_empty() {
+                why.push(format!(
+                    "Ceph operations timing out on cluster(s): {}",
+                    slow.join(", ")
+                ));
+            }
+            if why.is_empty() {
                 (StatusCode::OK, "ok".to_owned())
             } else {
-                (
-                    StatusCode::OK,
-                    format!("degraded: Ceph cluster(s) unreachable: {}", down.join(", ")),
-                )
+                (StatusCode::OK, format!("degraded: {}", why.join("; ")))
             }
         }
         (false, _) => (StatusCode::SERVICE_UNAVAILABLE, "not the leader".to_owned()),

@@ -227,8 +227,10 @@ impl Context {
             Ok(inner) => inner,
             Err(e) => Err(VolumeError::Ceph(e)),
         };
-        if let Err(VolumeError::Ceph(e)) = &out {
-            conn.check(e);
+        match &out {
+            Err(VolumeError::Ceph(e)) => conn.check(e),
+            // Any other outcome was an answer from the cluster.
+            _ => conn.answered(),
         }
         out
     }
@@ -303,14 +305,15 @@ fn now() -> Time {
 
 /// Adds or removes `finalizer` and sets or removes annotations, on the
 /// latest version of the object, guarded by its resourceVersion. A missing
-/// object is not an error.
+/// object is not an error. Returns false when the finalizer was to be added
+/// but could not be: the object is gone or being deleted.
 pub(crate) async fn edit_meta<K>(
     api: &Api<K>,
     name: &str,
     finalizer: &str,
     present: bool,
     annotations: &BTreeMap<String, Option<String>>,
-) -> Result<(), kube::Error>
+) -> Result<bool, kube::Error>
 where
     K: Resource + Clone + serde::de::DeserializeOwned + fmt::Debug,
 {
@@ -318,7 +321,7 @@ where
     loop {
         attempt += 1;
         let Some(obj) = api.get_opt(name).await? else {
-            return Ok(());
+            return Ok(!present);
         };
         let meta = obj.meta();
         let mut finalizers = meta.finalizers.clone().unwrap_or_default();
@@ -335,11 +338,11 @@ where
             .map(|(k, v)| (k.clone(), json!(v)))
             .collect();
         if had == present && ann_changes.is_empty() {
-            return Ok(());
+            return Ok(true);
         }
         if meta.deletion_timestamp.is_some() && present && !had {
             // Finalizers cannot be added to an object being deleted.
-            return Ok(());
+            return Ok(false);
         }
         let patch = json!({
             "metadata": {
@@ -352,8 +355,8 @@ where
             .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
         {
-            Ok(_) => return Ok(()),
-            Err(kube::Error::Api(e)) if e.code == 404 => return Ok(()),
+            Ok(_) => return Ok(true),
+            Err(kube::Error::Api(e)) if e.code == 404 => return Ok(!present),
             Err(kube::Error::Api(e)) if e.code == 409 && attempt < 5 => continue,
             Err(e) => return Err(e),
         }
@@ -386,6 +389,7 @@ async fn drop_claim_finalizer(
         &claim_annotations_cleared(),
     )
     .await
+    .map(drop)
 }
 
 // ---------------------------------------------------------------- claims --
@@ -661,7 +665,7 @@ async fn provision_steps(
     // Before any image exists: the claim cannot go away without us
     // cleaning up, and we will know where to look.
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &namespace);
-    edit_meta(
+    let protected = edit_meta(
         &claims,
         &claim_name,
         CLAIM_FINALIZER,
@@ -675,6 +679,11 @@ async fn provision_steps(
         ]),
     )
     .await?;
+    if !protected {
+        // Deleted meanwhile: an image made now would have nothing to clean
+        // it up if we died before its PV exists.
+        return Err("the claim is being deleted; not provisioning it".into());
+    }
 
     ctx.events
         .normal(
@@ -911,6 +920,10 @@ async fn expand(
         .and_then(|q| parse_bytes(&q.0).ok())
         .unwrap_or(0);
     if requested <= capacity {
+        if resize_unfinished(claim) && capacity > 0 {
+            tracing::info!(pv = %pv_name, bytes = capacity, "finishing a resize cut short after the PV was grown");
+            finish_resize(claim, capacity, ctx).await?;
+        }
         return Ok(Action::await_change());
     }
     let classes: Api<StorageClass> = Api::all(ctx.client.clone());
@@ -1051,6 +1064,24 @@ async fn expand_steps(
     .await
     .map_err(kube_err)?;
 
+    finish_resize(claim, new_size, ctx)
+        .await
+        .map_err(kube_err)?;
+    tracing::info!(pv = %pv_name, image = %vol, bytes = new_size, "expanded");
+    Ok(())
+}
+
+/// The claim's side of a resize whose image and PV are done: its status
+/// (and an event). Also run on its own when a crash came between the PV
+/// patch and this, which would otherwise leave the claim Resizing forever.
+async fn finish_resize(
+    claim: &PersistentVolumeClaim,
+    new_size: u64,
+    ctx: &Context,
+) -> Result<(), kube::Error> {
+    let namespace = claim.namespace().unwrap_or_default();
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &namespace);
+    let new_q = bytes_quantity(new_size);
     let mut conditions = other_conditions(claim);
     let status = if claim_volume_mode(claim) == "Block" {
         json!({"status": {
@@ -1078,8 +1109,7 @@ async fn expand_steps(
             &PatchParams::default(),
             &Patch::Merge(status),
         )
-        .await
-        .map_err(kube_err)?;
+        .await?;
     if claim_volume_mode(claim) == "Block" {
         ctx.events
             .normal(
@@ -1097,8 +1127,25 @@ async fn expand_steps(
             )
             .await;
     }
-    tracing::info!(pv = %pv_name, image = %vol, bytes = new_size, "expanded");
     Ok(())
+}
+
+/// Whether the claim's status still says its controller-side resize is
+/// under way.
+fn resize_unfinished(claim: &PersistentVolumeClaim) -> bool {
+    let Some(status) = claim.status.as_ref() else {
+        return false;
+    };
+    let resizing = status
+        .conditions
+        .as_ref()
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Resizing"));
+    let in_progress = status
+        .allocated_resource_statuses
+        .as_ref()
+        .and_then(|s| s.get("storage"))
+        .is_some_and(|s| s == "ControllerResizeInProgress");
+    resizing || in_progress
 }
 
 // ---------------------------------------------------------------- volumes --

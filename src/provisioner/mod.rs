@@ -201,6 +201,10 @@ impl crate::volume::CephObserver for Observer {
         self.metrics.set_cluster_reachable(cluster_id, reachable);
         self.health.set_cluster_reachable(cluster_id, reachable);
     }
+    fn cluster_ops_timing_out(&self, cluster_id: &str, timing_out: bool) {
+        self.health
+            .set_cluster_ops_timing_out(cluster_id, timing_out);
+    }
 }
 
 /// Runs the provisioner until SIGTERM or SIGINT.

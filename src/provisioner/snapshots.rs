@@ -441,9 +441,15 @@ async fn create(content: &VolumeSnapshotContent, ctx: &Context) -> Result<(), St
 
     // Before any image exists: the content cannot go away without us.
     let mark = BTreeMap::from([(ANN_BEING_CREATED.to_owned(), Some("yes".to_owned()))]);
-    edit_meta(&api(ctx), &name, SNAPSHOT_FINALIZER, true, &mark)
+    let protected = edit_meta(&api(ctx), &name, SNAPSHOT_FINALIZER, true, &mark)
         .await
         .map_err(|e| format!("Kubernetes API: {e}"))?;
+    if !protected {
+        // Gone or being deleted: an image made now could leak.
+        return Err(format!(
+            "VolumeSnapshotContent {name} is being deleted; not creating its snapshot"
+        ));
+    }
 
     let r = &content.spec.volume_snapshot_ref;
     let owner = SnapshotOwner {
@@ -456,6 +462,7 @@ async fn create(content: &VolumeSnapshotContent, ctx: &Context) -> Result<(), St
     let image = image_name(content, &params.snapshot_name_prefix);
     let opts = CloneOptions {
         depth: params.clone_depth,
+        fence: Arc::clone(&ctx.fence),
         ..Default::default()
     };
     let src = source.clone();

@@ -250,6 +250,8 @@ struct Slot {
 pub struct Conn {
     cluster: Cluster,
     slot: Arc<Slot>,
+    cluster_id: String,
+    observer: Arc<dyn CephObserver>,
 }
 
 impl std::fmt::Debug for Conn {
@@ -274,6 +276,19 @@ impl Conn {
             tracing::warn!(error = %e, "Ceph connection looks broken; it will be rebuilt");
             self.slot.broken.store(true, Ordering::SeqCst);
         }
+        match e.kind() {
+            // The monitor probe cannot see this (e.g. the OSDs are down).
+            ErrorKind::TimedOut => self.observer.cluster_ops_timing_out(&self.cluster_id, true),
+            // Refused by a fence: Ceph was not asked.
+            ErrorKind::Fenced => {}
+            _ => self.answered(),
+        }
+    }
+
+    /// Records that the cluster answered a call made on this connection.
+    pub fn answered(&self) {
+        self.observer
+            .cluster_ops_timing_out(&self.cluster_id, false);
     }
 }
 
@@ -469,7 +484,12 @@ impl Connections {
         drop(live);
         self.metrics.set_connections(self.len());
         match cluster {
-            Some(cluster) => Ok(Conn { cluster, slot }),
+            Some(cluster) => Ok(Conn {
+                cluster,
+                slot,
+                cluster_id: key.cluster_id,
+                observer: Arc::clone(&self.metrics),
+            }),
             None => {
                 slot.users.fetch_sub(1, Ordering::SeqCst);
                 Err(Error::from_errno(

@@ -63,6 +63,10 @@ pub trait CephObserver: Send + Sync {
     fn set_connections(&self, n: usize);
     /// The Ceph cluster `cluster_id` is (or is no longer) reachable.
     fn cluster_reachable(&self, _cluster_id: &str, _reachable: bool) {}
+    /// Operations on the Ceph cluster `cluster_id` time out (its monitors
+    /// may still answer, as when its OSDs are down), or one has just been
+    /// answered again.
+    fn cluster_ops_timing_out(&self, _cluster_id: &str, _timing_out: bool) {}
 }
 
 /// Permission to make one change to Ceph, asked for immediately before each

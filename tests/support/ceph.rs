@@ -296,3 +296,74 @@ pub fn other_pool() {
         rbd::pool_init(&io, true).expect("rbd pool init");
     });
 }
+
+/// A cluster of one test's own, under `CARGO_TARGET_TMPDIR`, for tests that
+/// stop its daemons (the shared one must keep running for the others).
+/// Stopped and removed on drop.
+pub struct PrivateCluster {
+    cluster: TestCluster,
+    dir: PathBuf,
+}
+
+impl PrivateCluster {
+    /// Starts a new cluster named after `test` (about 10 s).
+    pub fn start(test: &str) -> PrivateCluster {
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(unique(&format!("ceph-{test}")));
+        let out = Command::new(repo_root().join("scripts/ceph-test-cluster"))
+            .arg("up")
+            .arg(&dir)
+            .output()
+            .expect("run scripts/ceph-test-cluster");
+        let private = PrivateCluster {
+            cluster: TestCluster {
+                conf: dir.join("ceph.conf"),
+            },
+            dir,
+        };
+        assert!(
+            out.status.success(),
+            "scripts/ceph-test-cluster up {} failed:\n{}",
+            private.dir.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        private
+    }
+
+    /// Stops one daemon (`mon.a`, `mgr.x`, `osd.0`) as a host failure would.
+    pub fn stop_daemon(&self, name: &str) {
+        self.daemon("stop-daemon", name);
+    }
+
+    /// Starts a stopped daemon again.
+    pub fn start_daemon(&self, name: &str) {
+        self.daemon("start-daemon", name);
+    }
+
+    fn daemon(&self, verb: &str, name: &str) {
+        let out = Command::new(repo_root().join("scripts/ceph-test-cluster"))
+            .args([verb, self.dir.to_str().expect("utf-8 dir"), name])
+            .output()
+            .expect("run scripts/ceph-test-cluster");
+        assert!(
+            out.status.success(),
+            "ceph-test-cluster {verb} {name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+impl std::ops::Deref for PrivateCluster {
+    type Target = TestCluster;
+    fn deref(&self) -> &TestCluster {
+        &self.cluster
+    }
+}
+
+impl Drop for PrivateCluster {
+    fn drop(&mut self) {
+        let _ = Command::new(repo_root().join("scripts/ceph-test-cluster"))
+            .arg("down")
+            .arg(&self.dir)
+            .status();
+    }
+}

@@ -169,6 +169,28 @@ impl ControlPlane {
         launch().unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// Stops kube-apiserver and starts it again (same port, same etcd), and
+    /// waits until it is ready. Only for a control plane this handle started.
+    pub fn restart_apiserver(&self) {
+        let dir = self
+            .owned_dir
+            .as_ref()
+            .expect("restart_apiserver needs a private control plane (start_private)");
+        let out = Command::new(script())
+            .arg("restart-apiserver")
+            .arg(dir)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {}: {e}", script().display()));
+        assert!(
+            out.status.success(),
+            "k8s-test-control-plane restart-apiserver {} failed ({}):\n{}",
+            dir.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// The admin kubeconfig (client certificate in group `system:masters`).
     pub fn kubeconfig_path(&self) -> &Path {
         &self.kubeconfig
