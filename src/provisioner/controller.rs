@@ -3,7 +3,10 @@
 //!
 //! Each returns an [`Action`]; failures go through the error policies, which
 //! requeue with per-object capped exponential backoff. Nothing is ever given
-//! up on. Every reconcile first takes a token from the global rate limiter.
+//! up on. A reconcile takes a token from the global rate limiter at its
+//! first API write or Ceph call ([`before_work`]), so the reconciles our own
+//! writes trigger, which find nothing to do, cost none (see
+//! [`crate::k8s::backoff`]).
 //!
 //! Crash safety on the claim side rests on two things written to the API
 //! server *before* any image exists: a finalizer on the claim and an
@@ -26,7 +29,7 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 
 use crate::blocking::BlockingPool;
-use crate::k8s::backoff::{FailureCounts, RateLimiter};
+use crate::k8s::backoff::{before_work, FailureCounts, RateLimiter};
 use crate::k8s::events::Events;
 use crate::k8s::quantity::{bytes_quantity, parse_bytes, parse_whole_bytes, round_up_mib, MIB};
 use crate::provisioner::metrics::Metrics;
@@ -163,6 +166,7 @@ impl Context {
         let cluster = conn.cluster().clone();
         let metrics = self.metrics.clone();
         let fence = Arc::clone(&self.fence);
+        before_work().await;
         let out = match self
             .pool
             .run(move || Ok(f(&cluster, &metrics, &*fence)))
@@ -182,6 +186,7 @@ impl Context {
             .clusters
             .get(cluster_id)
             .ok_or_else(|| format!("clusterID {cluster_id:?} is not in the clusters config"))?;
+        before_work().await;
         let creds = secrets::credentials(&self.client, secret).await?;
         self.conns.get(&cluster, &creds).await.map_err(|e| {
             format!(
@@ -288,6 +293,7 @@ where
                 "annotations": ann_changes,
             }
         });
+        before_work().await;
         match api
             .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
@@ -335,8 +341,7 @@ pub async fn reconcile_claim(
     claim: Arc<PersistentVolumeClaim>,
     ctx: Arc<Context>,
 ) -> Result<Action, ReconcileError> {
-    ctx.limiter.acquire().await;
-    let out = claim_inner(&claim, &ctx).await;
+    let out = ctx.limiter.scoped(claim_inner(&claim, &ctx)).await;
     if out.is_ok() {
         ctx.claim_failures.succeeded(&claim_key(&claim));
     }
@@ -612,6 +617,7 @@ async fn provision_steps(
         expand_secret: &expand_secret,
         node_stage_secret: node_secret.as_ref(),
     });
+    before_work().await;
     match pvs.create(&PostParams::default(), &pv).await {
         Ok(_) => {}
         Err(kube::Error::Api(e)) if e.code == 409 => {
@@ -851,6 +857,7 @@ async fn expand_steps(
     if !already {
         let mut conditions = other_conditions(claim);
         conditions.push(json!({"type": "Resizing", "status": "True", "lastTransitionTime": now()}));
+        before_work().await;
         claims
             .patch_status(
                 &claim.name_any(),
@@ -887,6 +894,7 @@ async fn expand_steps(
     drop(conn);
     if let Err(e) = resized {
         if matches!(e, VolumeError::ShrinkRefused { .. }) && state != "ControllerResizeInfeasible" {
+            before_work().await;
             let _ = claims
                 .patch_status(
                     &claim.name_any(),
@@ -900,6 +908,7 @@ async fn expand_steps(
         return Err(format!("cannot resize image {vol}: {e}"));
     }
 
+    before_work().await;
     pvs.patch(
         &pv_name,
         &PatchParams::default(),
@@ -929,6 +938,7 @@ async fn expand_steps(
             "allocatedResourceStatuses": {"storage": "NodeResizePending"},
         }})
     };
+    before_work().await;
     claims
         .patch_status(
             &claim.name_any(),
@@ -969,9 +979,8 @@ pub async fn reconcile_pv(
     let Some(vol) = our_volume(&pv, &ctx.name) else {
         return Ok(Action::await_change());
     };
-    ctx.limiter.acquire().await;
     let name = pv.name_any();
-    let out = pv_inner(&pv, vol, &ctx).await;
+    let out = ctx.limiter.scoped(pv_inner(&pv, vol, &ctx)).await;
     if out.is_ok() {
         ctx.pv_failures.succeeded(&name);
     }
@@ -1026,6 +1035,7 @@ async fn pv_inner(
     match delete_steps(pv, vol, ctx).await {
         Ok(outcome) => {
             edit_meta(&pvs, &name, PV_FINALIZER, false, &BTreeMap::new()).await?;
+            before_work().await;
             match pvs.delete(&name, &DeleteParams::default()).await {
                 Ok(_) => {}
                 Err(kube::Error::Api(e)) if e.code == 404 => {}
