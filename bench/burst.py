@@ -306,6 +306,19 @@ def images(conf, pool):
     return set(out.split())
 
 
+def rss_by_mapping(pid, top=6):
+    """The largest resident mappings (KiB), by file or [heap]/[anon], from
+    /proc/PID/smaps: where the provisioner's memory is."""
+    sizes, name = {}, None
+    for ln in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        f = ln.split()
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", ln):
+            name = Path(f[5]).name if len(f) > 5 else "[anon]"
+        elif f and f[0] == "Rss:":
+            sizes[name] = sizes.get(name, 0) + int(f[1])
+    return dict(sorted(sizes.items(), key=lambda kv: -kv[1])[:top])
+
+
 class Provisioner:
     """`rbdkit provisioner` as its own process, default settings plus
     `extra`; its log goes to a file in `tmpdir`."""
@@ -333,6 +346,11 @@ class Provisioner:
 
     def stop(self):
         hwm = vm_kib(self.p.pid, "VmHWM")
+        try:
+            self.mappings = rss_by_mapping(self.p.pid)
+            self.threads = len(os.listdir(f"/proc/{self.p.pid}/task"))
+        except OSError:
+            self.mappings, self.threads = {}, None
         self.p.send_signal(signal.SIGTERM)
         try:
             self.p.wait(timeout=40)
@@ -387,6 +405,8 @@ def run_rbdkit(kube, env, tag, n, extra, with_floor=0):
         out["pvs_gone_s"] = tr.last("pv_gone", t1)
         out["released_s"] = tr.last("pv_released", t1) if tr.count("pv_released") else None
         out["peak_rss_kib"] = prov.stop()
+        out["rss_at_exit_by_mapping_kib"] = prov.mappings
+        out["threads"] = prov.threads
         prov = None
         return out
     finally:

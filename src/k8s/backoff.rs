@@ -15,7 +15,10 @@
 //! inside [`RateLimiter::scoped`] and takes its one token only at its first
 //! API write or Ceph call ([`before_work`]): a retry storm of failing
 //! reconciles is still paced (each failure writes an event or calls Ceph),
-//! and a no-op echo is free. Filtering the echoes out of the watch streams
+//! and a no-op echo is free. One operation (provisioning, deleting or
+//! expanding a volume) thus costs one token; letting go of a claim once the
+//! binder has bound it finishes a provisioning already paid for
+//! ([`prepaid`]). Filtering the echoes out of the watch streams
 //! instead would need to tell our writes from everyone else's (the binder
 //! writes the same claims), and rate-limiting each write would charge one
 //! provisioning five tokens.
@@ -220,6 +223,13 @@ pub async fn before_work() {
     }
 }
 
+/// Marks this scope's token as taken without waiting for one: for a write
+/// that finishes an operation an earlier reconcile paid for (letting go of a
+/// claim once it is bound). Outside a scope it does nothing.
+pub fn prepaid() {
+    let _ = SCOPE.try_with(|s| s.taken.set(true));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -292,6 +302,13 @@ mod tests {
         // The next reconcile with work waits for the refill.
         r.scoped(before_work()).await;
         assert!(start.elapsed() >= Duration::from_millis(40));
+        // Prepaid work takes no token.
+        r.scoped(async {
+            prepaid();
+            before_work().await;
+        })
+        .await;
+        assert!(start.elapsed() < Duration::from_millis(75));
         // Outside a scope nothing is taken and nothing waits.
         let t = Instant::now();
         for _ in 0..10 {
@@ -302,6 +319,10 @@ mod tests {
         r.scoped(async {}).await;
         let t = Instant::now();
         r.scoped(before_work()).await;
-        assert!(t.elapsed() >= Duration::from_millis(40), "{:?}", t.elapsed());
+        assert!(
+            t.elapsed() >= Duration::from_millis(40),
+            "{:?}",
+            t.elapsed()
+        );
     }
 }

@@ -101,6 +101,10 @@ pub struct Context {
     pub fence: Arc<dyn Fence>,
     /// When work on an object started, for the duration metrics.
     started: Mutex<HashMap<String, Instant>>,
+    /// PVs (by uid) whose volume this process deleted, so that the echo of
+    /// letting go of one (our finalizer removed, the PV still Released) is
+    /// not a second delete. Lost on restart, which only costs that echo.
+    deleted: Mutex<HashMap<String, Instant>>,
 }
 
 impl fmt::Debug for Context {
@@ -137,6 +141,7 @@ impl Context {
             limiter,
             fence,
             started: Mutex::new(HashMap::new()),
+            deleted: Mutex::new(HashMap::new()),
         }
     }
 
@@ -147,6 +152,21 @@ impl Context {
             started.retain(|_, t| t.elapsed() < std::time::Duration::from_secs(86400));
         }
         *started.entry(key.to_owned()).or_insert_with(Instant::now)
+    }
+
+    fn mark_deleted(&self, uid: &str) {
+        let mut d = self.deleted.lock().unwrap_or_else(|e| e.into_inner());
+        if d.len() > 4096 {
+            d.retain(|_, t| t.elapsed() < std::time::Duration::from_secs(600));
+        }
+        d.insert(uid.to_owned(), Instant::now());
+    }
+
+    fn was_deleted(&self, uid: &str) -> bool {
+        self.deleted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(uid)
     }
 
     fn finished(&self, key: &str) -> Option<Instant> {
@@ -381,8 +401,16 @@ async fn claim_inner(
         .and_then(|s| s.volume_name.clone())
         .filter(|v| !v.is_empty());
     if let Some(pv_name) = bound_to {
-        if has_finalizer && for_us {
+        // Only once the binder is done with the claim (its status written):
+        // a write between its claim update and its status update would
+        // make it conflict and retry, at its own client QPS.
+        let phase = claim.status.as_ref().and_then(|s| s.phase.as_deref());
+        if has_finalizer && for_us && phase.is_some_and(|p| p != "Pending") {
+            // The end of a provisioning that took its token. Expansion, if
+            // asked for, comes with the echo of this write.
+            crate::k8s::backoff::prepaid();
             drop_claim_finalizer(ctx, claim).await?;
+            return Ok(Action::await_change());
         }
         return expand(claim, &pv_name, ctx).await;
     }
@@ -468,7 +496,7 @@ async fn provision(claim: &PersistentVolumeClaim, ctx: &Context) -> Result<Actio
                 .await;
             return Err(ReconcileError(f.why));
         }
-        drop_claim_finalizer(ctx, claim).await?;
+        // The finalizer goes once the claim is Bound (above).
         return Ok(Action::await_change());
     }
     let started = ctx.first_attempt(&key);
@@ -636,7 +664,9 @@ async fn provision_steps(
             &format!("Successfully provisioned volume {pv_name} (image {vol})"),
         )
         .await;
-    drop_claim_finalizer(ctx, claim).await?;
+    // The finalizer stays until the binder has bound the claim: dropping it
+    // now would race the binder's own claim writes (see claim_inner). A
+    // claim deleted before that finds its PV and just lets go.
     Ok(())
 }
 
@@ -1018,7 +1048,8 @@ async fn pv_inner(
     let deleting = pv.metadata.deletion_timestamp.is_some();
     let has_finalizer = pv.finalizers().iter().any(|f| f == PV_FINALIZER);
     let released = phase == "Released" || (deleting && phase != "Bound");
-    if !released || (deleting && !has_finalizer) {
+    let uid = pv.metadata.uid.clone().unwrap_or_default();
+    if !released || (deleting && !has_finalizer) || (!has_finalizer && ctx.was_deleted(&uid)) {
         return Ok(Action::await_change());
     }
     let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
@@ -1041,6 +1072,8 @@ async fn pv_inner(
                 Err(kube::Error::Api(e)) if e.code == 404 => {}
                 Err(e) => return Err(e.into()),
             }
+            // Only now: a failed delete above must be retried in full.
+            ctx.mark_deleted(&uid);
             if ctx.finished(&format!("pv/{name}")).is_some() {
                 ctx.metrics.deleted(&class, started.elapsed());
             }

@@ -80,11 +80,14 @@ pub struct ProvisionerArgs {
     #[arg(long, default_value_t = 8)]
     pub ceph_threads: usize,
 
-    /// Global rate limit on reconciles, per second.
-    #[arg(long, default_value_t = 10.0)]
+    /// Global rate limit on operations (reconciles that write to the API
+    /// server or call Ceph; the ones our own writes trigger and that find
+    /// nothing to do are free), per second. One operation is a provisioning,
+    /// a deletion or an expansion: about five API writes and a few Ceph calls.
+    #[arg(long, default_value_t = 20.0)]
     pub rate_limit: f64,
 
-    /// Burst allowed above the rate limit.
+    /// Burst of operations allowed above the rate limit.
     #[arg(long, default_value_t = 100)]
     pub rate_burst: u32,
 
