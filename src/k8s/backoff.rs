@@ -4,10 +4,30 @@
 //! kube-runtime's controller requeues whenever its error policy says; these
 //! decide *when*. Failures never make an object be dropped: the delay grows
 //! to the cap and stays there until the object succeeds.
+//!
+//! The global limit counts *work*, not wake-ups. Every write the provisioner
+//! makes (a finalizer, annotations, a PV, a status, an event) comes back to
+//! it as a watch event and so as another reconcile of the same object, which
+//! finds the object already handled and does nothing but read. Taking a token
+//! at the start of every reconcile made those echoes, several per claim, use
+//! most of the budget (a 500-claim burst ran at under 2 claims a second
+//! while one provisioning is about 60 ms of Ceph work). So a reconcile runs
+//! inside [`RateLimiter::scoped`] and takes its one token only at its first
+//! API write or Ceph call ([`before_work`]): a retry storm of failing
+//! reconciles is still paced (each failure writes an event or calls Ceph),
+//! and a no-op echo is free. One operation (provisioning, deleting or
+//! expanding a volume) thus costs one token; letting go of a claim once the
+//! binder has bound it finishes a provisioning already paid for
+//! ([`prepaid`]). Filtering the echoes out of the watch streams
+//! instead would need to tell our writes from everyone else's (the binder
+//! writes the same claims), and rate-limiting each write would charge one
+//! provisioning five tokens.
 
+use std::cell::Cell;
 use std::collections::HashMap;
+use std::future::Future;
 use std::hash::Hash;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -166,6 +186,50 @@ impl RateLimiter {
     }
 }
 
+/// The token of the reconcile running in this scope: the limiter, and
+/// whether the token was taken yet.
+struct Scope {
+    limiter: Arc<RateLimiter>,
+    taken: Cell<bool>,
+}
+
+tokio::task_local! {
+    static SCOPE: Scope;
+}
+
+impl RateLimiter {
+    /// Runs `fut` (one reconcile) so that its first [`before_work`] waits for
+    /// a token of this limiter and later ones are free: at most one token per
+    /// reconcile, and none for a reconcile that does no work.
+    pub async fn scoped<F: Future>(self: &Arc<Self>, fut: F) -> F::Output {
+        let scope = Scope {
+            limiter: Arc::clone(self),
+            taken: Cell::new(false),
+        };
+        SCOPE.scope(scope, fut).await
+    }
+}
+
+/// Call before an API write or a Ceph call: inside [`RateLimiter::scoped`],
+/// the first call waits for that limiter's token; later calls, and calls
+/// outside any scope (the CSI controller, tests), return at once.
+pub async fn before_work() {
+    let limiter = SCOPE
+        .try_with(|s| (!s.taken.replace(true)).then(|| Arc::clone(&s.limiter)))
+        .ok()
+        .flatten();
+    if let Some(l) = limiter {
+        l.acquire().await;
+    }
+}
+
+/// Marks this scope's token as taken without waiting for one: for a write
+/// that finishes an operation an earlier reconcile paid for (letting go of a
+/// claim once it is bound). Outside a scope it does nothing.
+pub fn prepaid() {
+    let _ = SCOPE.try_with(|s| s.taken.set(true));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -215,5 +279,50 @@ mod tests {
         }
         // Ten more tokens at 100 per second take about 100 ms.
         assert!(start.elapsed() >= Duration::from_millis(90));
+    }
+
+    #[tokio::test]
+    async fn a_scope_takes_one_token_at_its_first_work_and_none_without_work() {
+        // One token in the bucket, then one every 50 ms.
+        let r = Arc::new(RateLimiter::new(20.0, 1));
+        let start = Instant::now();
+        // Work called three times: one token.
+        r.scoped(async {
+            for _ in 0..3 {
+                before_work().await;
+            }
+        })
+        .await;
+        assert!(start.elapsed() < Duration::from_millis(25));
+        // No work (an echo of our own write): free, however many.
+        for _ in 0..20 {
+            r.scoped(async {}).await;
+        }
+        assert!(start.elapsed() < Duration::from_millis(25));
+        // The next reconcile with work waits for the refill.
+        r.scoped(before_work()).await;
+        assert!(start.elapsed() >= Duration::from_millis(40));
+        // Prepaid work takes no token.
+        r.scoped(async {
+            prepaid();
+            before_work().await;
+        })
+        .await;
+        assert!(start.elapsed() < Duration::from_millis(75));
+        // Outside a scope nothing is taken and nothing waits.
+        let t = Instant::now();
+        for _ in 0..10 {
+            before_work().await;
+        }
+        assert!(t.elapsed() < Duration::from_millis(25));
+        // The scope ended: its token is not taken again.
+        r.scoped(async {}).await;
+        let t = Instant::now();
+        r.scoped(before_work()).await;
+        assert!(
+            t.elapsed() >= Duration::from_millis(40),
+            "{:?}",
+            t.elapsed()
+        );
     }
 }

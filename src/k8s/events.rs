@@ -63,6 +63,9 @@ impl Events {
             action: reason.to_owned(),
             secondary: None,
         };
+        // An event is a write: inside a reconcile it takes the reconcile's
+        // token, so failing reconciles that only report are paced too.
+        crate::k8s::backoff::before_work().await;
         if let Err(e) = self.recorder.publish(&event, regarding).await {
             tracing::warn!(
                 reason,

@@ -3,7 +3,10 @@
 //!
 //! Each returns an [`Action`]; failures go through the error policies, which
 //! requeue with per-object capped exponential backoff. Nothing is ever given
-//! up on. Every reconcile first takes a token from the global rate limiter.
+//! up on. A reconcile takes a token from the global rate limiter at its
+//! first API write or Ceph call ([`before_work`]), so the reconciles our own
+//! writes trigger, which find nothing to do, cost none (see
+//! [`crate::k8s::backoff`]).
 //!
 //! Crash safety on the claim side rests on two things written to the API
 //! server *before* any image exists: a finalizer on the claim and an
@@ -26,7 +29,7 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 
 use crate::blocking::BlockingPool;
-use crate::k8s::backoff::{FailureCounts, RateLimiter};
+use crate::k8s::backoff::{before_work, FailureCounts, RateLimiter};
 use crate::k8s::events::Events;
 use crate::k8s::quantity::{bytes_quantity, parse_bytes, parse_whole_bytes, round_up_mib, MIB};
 use crate::provisioner::metrics::Metrics;
@@ -109,6 +112,10 @@ pub struct Context {
     pub adopt: BTreeSet<legacy::Kind>,
     /// The Secret legacy volumes are deleted and expanded with.
     pub legacy_secret: Option<SecretRef>,
+    /// PVs (by uid) whose volume this process deleted, so that the echo of
+    /// letting go of one (our finalizer removed, the PV still Released) is
+    /// not a second delete. Lost on restart, which only costs that echo.
+    deleted: Mutex<HashMap<String, Instant>>,
 }
 
 impl fmt::Debug for Context {
@@ -147,6 +154,7 @@ impl Context {
             started: Mutex::new(HashMap::new()),
             adopt: BTreeSet::new(),
             legacy_secret: None,
+            deleted: Mutex::new(HashMap::new()),
         }
     }
 
@@ -202,6 +210,21 @@ impl Context {
         *started.entry(key.to_owned()).or_insert_with(Instant::now)
     }
 
+    fn mark_deleted(&self, uid: &str) {
+        let mut d = self.deleted.lock().unwrap_or_else(|e| e.into_inner());
+        if d.len() > 4096 {
+            d.retain(|_, t| t.elapsed() < std::time::Duration::from_secs(600));
+        }
+        d.insert(uid.to_owned(), Instant::now());
+    }
+
+    fn was_deleted(&self, uid: &str) -> bool {
+        self.deleted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(uid)
+    }
+
     fn finished(&self, key: &str) -> Option<Instant> {
         self.started
             .lock()
@@ -219,6 +242,7 @@ impl Context {
         let cluster = conn.cluster().clone();
         let metrics = self.metrics.clone();
         let fence = Arc::clone(&self.fence);
+        before_work().await;
         let out = match self
             .pool
             .run(move || Ok(f(&cluster, &metrics, &*fence)))
@@ -244,6 +268,7 @@ impl Context {
             .clusters
             .get(cluster_id)
             .ok_or_else(|| format!("clusterID {cluster_id:?} is not in the clusters config"))?;
+        before_work().await;
         let creds = secrets::credentials(&self.client, secret).await?;
         self.conns.get(&cluster, &creds).await.map_err(|e| {
             format!(
@@ -351,6 +376,7 @@ where
                 "annotations": ann_changes,
             }
         });
+        before_work().await;
         match api
             .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
@@ -399,8 +425,7 @@ pub async fn reconcile_claim(
     claim: Arc<PersistentVolumeClaim>,
     ctx: Arc<Context>,
 ) -> Result<Action, ReconcileError> {
-    ctx.limiter.acquire().await;
-    let out = claim_inner(&claim, &ctx).await;
+    let out = ctx.limiter.scoped(claim_inner(&claim, &ctx)).await;
     if out.is_ok() {
         ctx.claim_failures.succeeded(&claim_key(&claim));
     }
@@ -440,9 +465,17 @@ async fn claim_inner(
         .and_then(|s| s.volume_name.clone())
         .filter(|v| !v.is_empty());
     if let Some(pv_name) = bound_to {
-        if has_finalizer && for_us {
+        // Only once the binder is done with the claim (its status written):
+        // a write between its claim update and its status update would
+        // make it conflict and retry, at its own client QPS.
+        let phase = claim.status.as_ref().and_then(|s| s.phase.as_deref());
+        if has_finalizer && for_us && phase.is_some_and(|p| p != "Pending") {
+            // The end of a provisioning that took its token. Expansion, if
+            // asked for, comes with the echo of this write.
+            crate::k8s::backoff::prepaid();
             release_source(ctx, claim).await?;
             drop_claim_finalizer(ctx, claim).await?;
+            return Ok(Action::await_change());
         }
         return expand(claim, &pv_name, ctx).await;
     }
@@ -551,7 +584,7 @@ async fn provision(claim: &PersistentVolumeClaim, ctx: &Context) -> Result<Actio
             return Err(ReconcileError(f.why));
         }
         release_source(ctx, claim).await?;
-        drop_claim_finalizer(ctx, claim).await?;
+        // The finalizer goes once the claim is Bound (above).
         return Ok(Action::await_change());
     }
     let started = ctx.first_attempt(&key);
@@ -766,6 +799,7 @@ async fn provision_steps(
         pv.annotations_mut()
             .insert(PV_FLATTEN_ANNOTATION.to_owned(), "true".to_owned());
     }
+    before_work().await;
     match pvs.create(&PostParams::default(), &pv).await {
         Ok(_) => {}
         Err(kube::Error::Api(e)) if e.code == 409 => {
@@ -785,7 +819,9 @@ async fn provision_steps(
         )
         .await;
     release_source(ctx, claim).await?;
-    drop_claim_finalizer(ctx, claim).await?;
+    // The finalizer stays until the binder has bound the claim: dropping it
+    // now would race the binder's own claim writes (see claim_inner). A
+    // claim deleted before that finds its PV and just lets go.
     Ok(())
 }
 
@@ -1005,6 +1041,7 @@ async fn expand_steps(
     if !already {
         let mut conditions = other_conditions(claim);
         conditions.push(json!({"type": "Resizing", "status": "True", "lastTransitionTime": now()}));
+        before_work().await;
         claims
             .patch_status(
                 &claim.name_any(),
@@ -1043,6 +1080,7 @@ async fn expand_steps(
     drop(conn);
     if let Err(e) = resized {
         if matches!(e, VolumeError::ShrinkRefused { .. }) && state != "ControllerResizeInfeasible" {
+            before_work().await;
             let _ = claims
                 .patch_status(
                     &claim.name_any(),
@@ -1056,6 +1094,7 @@ async fn expand_steps(
         return Err(format!("cannot resize image {vol}: {e}"));
     }
 
+    before_work().await;
     pvs.patch(
         &pv_name,
         &PatchParams::default(),
@@ -1103,6 +1142,7 @@ async fn finish_resize(
             "allocatedResourceStatuses": {"storage": "NodeResizePending"},
         }})
     };
+    before_work().await;
     claims
         .patch_status(
             &claim.name_any(),
@@ -1159,9 +1199,8 @@ pub async fn reconcile_pv(
     let Some(vol) = our_volume(&pv, &ctx.name).or_else(|| ctx.legacy_volume(&pv)) else {
         return Ok(Action::await_change());
     };
-    ctx.limiter.acquire().await;
     let name = pv.name_any();
-    let out = pv_inner(&pv, vol, &ctx).await;
+    let out = ctx.limiter.scoped(pv_inner(&pv, vol, &ctx)).await;
     if out.is_ok() {
         ctx.pv_failures.succeeded(&name);
     }
@@ -1199,7 +1238,8 @@ async fn pv_inner(
     let deleting = pv.metadata.deletion_timestamp.is_some();
     let has_finalizer = pv.finalizers().iter().any(|f| f == PV_FINALIZER);
     let released = phase == "Released" || (deleting && phase != "Bound");
-    if !released || (deleting && !has_finalizer) {
+    let uid = pv.metadata.uid.clone().unwrap_or_default();
+    if !released || (deleting && !has_finalizer) || (!has_finalizer && ctx.was_deleted(&uid)) {
         return Ok(Action::await_change());
     }
     let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
@@ -1216,11 +1256,14 @@ async fn pv_inner(
     match delete_steps(pv, vol, ctx).await {
         Ok(outcome) => {
             edit_meta(&pvs, &name, PV_FINALIZER, false, &BTreeMap::new()).await?;
+            before_work().await;
             match pvs.delete(&name, &DeleteParams::default()).await {
                 Ok(_) => {}
                 Err(kube::Error::Api(e)) if e.code == 404 => {}
                 Err(e) => return Err(e.into()),
             }
+            // Only now: a failed delete above must be retried in full.
+            ctx.mark_deleted(&uid);
             if ctx.finished(&format!("pv/{name}")).is_some() {
                 ctx.metrics.deleted(&class, started.elapsed());
             }

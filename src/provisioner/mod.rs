@@ -35,7 +35,9 @@ use anyhow::Context as _;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
-use kube::runtime::{controller::Config as ControllerConfig, watcher, Controller};
+use kube::runtime::{
+    controller::Config as ControllerConfig, reflector, watcher, Controller, WatchStreamExt,
+};
 use kube::Api;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
@@ -84,11 +86,14 @@ pub struct ProvisionerArgs {
     #[arg(long, default_value_t = 8)]
     pub ceph_threads: usize,
 
-    /// Global rate limit on reconciles, per second.
-    #[arg(long, default_value_t = 10.0)]
+    /// Global rate limit on operations (reconciles that write to the API
+    /// server or call Ceph; the ones our own writes trigger and that find
+    /// nothing to do are free), per second. One operation is a provisioning,
+    /// a deletion or an expansion: about five API writes and a few Ceph calls.
+    #[arg(long, default_value_t = 20.0)]
     pub rate_limit: f64,
 
-    /// Burst allowed above the rate limit.
+    /// Burst of operations allowed above the rate limit.
     #[arg(long, default_value_t = 100)]
     pub rate_burst: u32,
 
@@ -426,6 +431,35 @@ pub async fn run_until(
     Ok(())
 }
 
+/// Objects per page of the initial LIST: a page is held twice (the response
+/// and the decoded objects) before the cache takes it, so smaller pages keep
+/// the peak low; 100 is still few round trips for thousands of objects.
+const LIST_PAGE_SIZE: u32 = 100;
+
+/// A watch of every `K` whose objects are cached without their
+/// `managedFields` and `last-applied-configuration` annotation, which the
+/// reconcilers never read and which are most of a claim's or a PV's size: the
+/// caches hold every claim and PV of the cluster.
+fn trimmed<K>(api: Api<K>) -> impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    watcher(
+        api,
+        watcher::Config::default()
+            .any_semantic()
+            .page_size(LIST_PAGE_SIZE),
+    )
+    .default_backoff()
+    .modify(|o: &mut K| {
+        let meta = o.meta_mut();
+        meta.managed_fields = None;
+        if let Some(a) = meta.annotations.as_mut() {
+            a.remove("kubectl.kubernetes.io/last-applied-configuration");
+        }
+    })
+}
+
 /// Runs the claim and volume controllers until `shutdown` resolves (then
 /// lets in-flight reconciles finish).
 async fn run_controllers(
@@ -441,20 +475,26 @@ async fn run_controllers(
     let claims: Api<PersistentVolumeClaim> = Api::all(ctx.client.clone());
     let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
 
-    let claim_controller = Controller::new(claims, watcher::Config::default().any_semantic())
-        .with_config(config.clone())
-        .graceful_shutdown_on(shutdown.clone());
+    let (claim_store, claim_writer) = reflector::store();
+    let (pv_store, pv_writer) = reflector::store();
+    let claim_controller = Controller::for_stream(
+        trimmed(claims).reflect(claim_writer).applied_objects(),
+        claim_store.clone(),
+    )
+    .with_config(config.clone())
+    .graceful_shutdown_on(shutdown.clone());
     let snapshots = snapshots::run(
         Arc::clone(&ctx),
         config.clone(),
         with_snapshots,
         shutdown.clone(),
     );
-    let pv_controller = Controller::new(pvs, watcher::Config::default().any_semantic())
-        .with_config(config)
-        .graceful_shutdown_on(shutdown);
-    let claim_store = claim_controller.store();
-    let pv_store = pv_controller.store();
+    let pv_controller = Controller::for_stream(
+        trimmed(pvs).reflect(pv_writer).applied_objects(),
+        pv_store.clone(),
+    )
+    .with_config(config)
+    .graceful_shutdown_on(shutdown);
     let synced = async move {
         if claim_store.wait_until_ready().await.is_ok() && pv_store.wait_until_ready().await.is_ok()
         {
