@@ -143,8 +143,20 @@ async fn a_snapshot_becomes_ready_and_goes_with_its_volumesnapshot() {
     assert_eq!(sid.pool, vol.pool);
     assert_eq!(c.data["status"]["restoreSize"], json!(64 << 20));
     assert!(c.data["status"]["creationTime"].as_i64().unwrap_or(0) > 0);
-    let fin = c.metadata.finalizers.clone().unwrap_or_default();
-    assert!(fin.contains(&SNAPSHOT_FINALIZER.to_owned()), "{fin:?}");
+    // The snapshot-controller's first finalizer patch may replace the list;
+    // the reconciler puts ours back.
+    let contents = snaps::contents(&env.client);
+    let cname = c.metadata.name.clone().unwrap();
+    eventually("rbdkit's finalizer on the content", WAIT, || async {
+        let c = contents.get(&cname).await.map_err(|e| e.to_string())?;
+        let fin = c.metadata.finalizers.clone().unwrap_or_default();
+        if fin.contains(&SNAPSHOT_FINALIZER.to_owned()) {
+            Ok(())
+        } else {
+            Err(format!("finalizers {fin:?}"))
+        }
+    })
+    .await;
     assert!(!c
         .metadata
         .annotations

@@ -321,7 +321,10 @@ async fn content_inner(
         .and_then(|s| s.ready_to_use)
         .unwrap_or(false);
     if ready {
-        if content.annotations().contains_key(ANN_BEING_CREATED) {
+        // Also puts our finalizer back: the snapshot-controller's first
+        // finalizer patch replaces the whole list when its cache had none.
+        let has_finalizer = content.finalizers().iter().any(|f| f == SNAPSHOT_FINALIZER);
+        if !has_finalizer || content.annotations().contains_key(ANN_BEING_CREATED) {
             let change = BTreeMap::from([(ANN_BEING_CREATED.to_owned(), None)]);
             edit_meta(&api(ctx), &name, SNAPSHOT_FINALIZER, true, &change).await?;
         }
