@@ -107,20 +107,7 @@ async fn apiserver_restart_mid_run_resumes_without_duplicates() {
     assert!(child.running(), "{}", child.log_tail());
 
     // No duplicates: one PV per claim, named after it; one image per PV.
-    let pvs: Vec<_> = env
-        .pvs()
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter(|p| {
-            p.spec
-                .as_ref()
-                .and_then(|s| s.csi.as_ref())
-                .is_some_and(|c| c.driver == env.name)
-        })
-        .collect();
+    let pvs = env.our_pvs().await.unwrap();
     let mut per_claim: BTreeMap<String, usize> = BTreeMap::new();
     for pv in &pvs {
         let uid = pv

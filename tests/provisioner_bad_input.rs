@@ -579,21 +579,11 @@ async fn every_bad_input_gets_an_event_and_creates_nothing() {
         "no image, PV or trash entry for a bad claim",
         Duration::from_secs(3),
         || async {
-            let pvs = env
-                .pvs()
-                .list(&Default::default())
-                .await
-                .map_err(|e| e.to_string())?;
-            let ours: Vec<String> = pvs
-                .items
-                .iter()
-                .filter(|p| {
-                    p.spec
-                        .as_ref()
-                        .and_then(|s| s.csi.as_ref())
-                        .is_some_and(|c| c.driver == env.name)
-                })
-                .filter_map(|p| p.metadata.name.clone())
+            let ours: Vec<String> = env
+                .our_pvs()
+                .await?
+                .into_iter()
+                .filter_map(|p| p.metadata.name)
                 .collect();
             let quota_images = rbd::list_names(&quota_ns).map_err(|e| e.to_string())?;
             let trash = rbd::trash_list(&env.rbd.ioctx).map_err(|e| e.to_string())?;

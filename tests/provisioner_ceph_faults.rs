@@ -104,20 +104,7 @@ impl World {
     }
 
     async fn our_pvs(&self) -> Vec<PersistentVolume> {
-        self.env
-            .pvs()
-            .list(&ListParams::default())
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .filter(|p| {
-                p.spec
-                    .as_ref()
-                    .and_then(|s| s.csi.as_ref())
-                    .is_some_and(|c| c.driver == self.env.name)
-            })
-            .collect()
+        self.env.our_pvs().await.unwrap()
     }
 
     /// What every fault test ends with: the claims `left` Bound, one PV

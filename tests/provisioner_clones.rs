@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::api::PostParams;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use rbdkit::k8s::quantity::MIB;
 use rbdkit::provisioner::controller::PV_FLATTEN_ANNOTATION;
@@ -19,14 +19,15 @@ use rbdkit::rbd::{self, Image};
 
 use support::data::pattern;
 use support::k8s::ControlPlane;
-use support::provisioner::{eventually, from_json, stays, Env, WAIT};
+use support::provisioner::{claim_name, eventually, from_json, stays, Env, WAIT};
 use support::snapshots::{self as snaps, SnapshotController};
 
 const BLOCK: &str = "Block";
 const RWO: &[&str] = &["ReadWriteOnce"];
 
-/// Creates a claim cloned from claim `source`.
-async fn clone_claim(env: &Env, name: &str, class: &str, size: &str, source: &str) {
+/// Creates a Block claim with data source `source` (a `dataSource` or
+/// `dataSourceRef` object, as `field` says).
+async fn claim_from(env: &Env, name: &str, class: &str, size: &str, field: &str, source: Value) {
     env.claims()
         .create(
             &PostParams::default(),
@@ -37,12 +38,18 @@ async fn clone_claim(env: &Env, name: &str, class: &str, size: &str, source: &st
                     "accessModes": RWO,
                     "volumeMode": BLOCK,
                     "resources": {"requests": {"storage": size}},
-                    "dataSource": {"kind": "PersistentVolumeClaim", "name": source},
+                    field: source,
                 },
             })),
         )
         .await
-        .expect("create clone claim");
+        .unwrap_or_else(|e| panic!("create claim {name}: {e}"));
+}
+
+/// Creates a claim cloned from claim `source`.
+async fn clone_claim(env: &Env, name: &str, class: &str, size: &str, source: &str) {
+    let ds = json!({"kind": "PersistentVolumeClaim", "name": source});
+    claim_from(env, name, class, size, "dataSource", ds).await;
 }
 
 /// A Bound claim of `mib` MiB holding `pattern(seed)` in its first MiB;
@@ -79,27 +86,6 @@ fn has_parent(env: &Env, image: &str) -> bool {
         .and_then(|i| i.parent())
         .unwrap_or_else(|e| panic!("image {image}: {e}"))
         .is_some()
-}
-
-/// User snapshots (the temporary ones included) on `image`.
-fn user_snaps(env: &Env, image: &str) -> Vec<String> {
-    let img = Image::open_read_only(&env.rbd.ioctx, image).expect("open");
-    img.snap_list()
-        .expect("snap list")
-        .into_iter()
-        .filter(|s| {
-            img.snap_namespace_type(s.id).ok() == Some(rbdkit::rbd::SnapNamespaceType::User)
-        })
-        .map(|s| s.name)
-        .collect()
-}
-
-fn trash(env: &Env) -> Vec<String> {
-    rbd::trash_list(&env.rbd.ioctx)
-        .expect("trash list")
-        .into_iter()
-        .map(|e| e.name)
-        .collect()
 }
 
 async fn finalizers(env: &Env, claim: &str) -> Vec<String> {
@@ -147,9 +133,9 @@ async fn a_clone_has_the_data_a_bigger_size_and_outlives_its_source() {
     assert_eq!(owner["rbdkit.pvc.name"], "copy");
     // No temporary snapshot or image left; the source is let go of.
     assert!(
-        user_snaps(&env, &src).is_empty(),
+        env.user_snaps(&src).is_empty(),
         "{:?}",
-        user_snaps(&env, &src)
+        env.user_snaps(&src)
     );
     let mut images = env.images();
     images.sort();
@@ -198,14 +184,14 @@ async fn a_clone_has_the_data_a_bigger_size_and_outlives_its_source() {
     env.delete_claim("src").await;
     env.wait_gone(&env.pvs(), &src_pv).await;
     assert_eq!(env.images(), vec![copy.clone()]);
-    assert_eq!(trash(&env), vec![src.clone()]);
+    assert_eq!(env.trash(), vec![src.clone()]);
     assert_eq!(first_mib(&env, &copy), pattern(11, MIB as usize));
 
     // The clone goes: the trashed source is purged with it.
     env.delete_claim("copy").await;
     env.wait_gone(&env.pvs(), &copy).await;
     eventually("images and trash empty", WAIT, || async {
-        let (i, t) = (env.images(), trash(&env));
+        let (i, t) = (env.images(), env.trash());
         if i.is_empty() && t.is_empty() {
             Ok(())
         } else {
@@ -375,7 +361,7 @@ async fn killed_during_a_clone_and_restarted_leaves_one_clone_and_no_leak() {
             format!(
                 "images {:?}, source snapshots {:?}",
                 env.images(),
-                user_snaps(&env, &src)
+                env.user_snaps(&src)
             )
         };
         p.kill9();
@@ -398,8 +384,8 @@ async fn killed_during_a_clone_and_restarted_leaves_one_clone_and_no_leak() {
         images.sort();
         let mut want = vec![src.clone(), copy.clone()];
         want.sort();
-        let snaps = user_snaps(&env, &src);
-        let t = trash(&env);
+        let snaps = env.user_snaps(&src);
+        let t = env.trash();
         let f = finalizers(&env, "src").await;
         if images == want
             && snaps.is_empty()
@@ -416,19 +402,11 @@ async fn killed_during_a_clone_and_restarted_leaves_one_clone_and_no_leak() {
     assert_eq!(size_of(&env, &copy), 96 * MIB);
     assert_eq!(first_mib(&env, &copy), pattern(31, MIB as usize));
     let ours = env
-        .pvs()
-        .list(&Default::default())
+        .our_pvs()
         .await
         .unwrap()
-        .items
-        .into_iter()
-        .filter(|p| {
-            p.spec
-                .as_ref()
-                .and_then(|s| s.claim_ref.as_ref())
-                .and_then(|r| r.name.as_deref())
-                == Some("copy")
-        })
+        .iter()
+        .filter(|p| claim_name(p) == Some("copy"))
         .count();
     assert_eq!(ours, 1);
     drop(p);
@@ -436,26 +414,12 @@ async fn killed_during_a_clone_and_restarted_leaves_one_clone_and_no_leak() {
 
 /// Creates a claim restored from VolumeSnapshot `snapshot`.
 async fn restore_claim(env: &Env, name: &str, class: &str, size: &str, snapshot: &str) {
-    env.claims()
-        .create(
-            &PostParams::default(),
-            &from_json::<PersistentVolumeClaim>(json!({
-                "metadata": {"name": name},
-                "spec": {
-                    "storageClassName": class,
-                    "accessModes": RWO,
-                    "volumeMode": BLOCK,
-                    "resources": {"requests": {"storage": size}},
-                    "dataSourceRef": {
-                        "apiGroup": "snapshot.storage.k8s.io",
-                        "kind": "VolumeSnapshot",
-                        "name": snapshot,
-                    },
-                },
-            })),
-        )
-        .await
-        .expect("create restore claim");
+    let ds = json!({
+        "apiGroup": "snapshot.storage.k8s.io",
+        "kind": "VolumeSnapshot",
+        "name": snapshot,
+    });
+    claim_from(env, name, class, size, "dataSourceRef", ds).await;
 }
 
 async fn phase(env: &Env, claim: &str) -> String {

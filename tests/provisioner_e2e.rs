@@ -18,7 +18,7 @@ use rbdkit::provisioner::pv::{PROVISIONED_BY, PV_FINALIZER};
 use rbdkit::rbd::{self, Features, Image};
 use rbdkit::volume::VolumeId;
 
-use support::provisioner::{eventually, http_get, stays, Env, WAIT};
+use support::provisioner::{claim_name, eventually, http_get, stays, Env, WAIT};
 
 fn quantity(
     q: &Option<BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>,
@@ -414,21 +414,7 @@ async fn bad_parameters_produce_an_event_and_no_image() {
     env.wait_gone(&env.claims(), "nosecret").await;
     // It keeps retrying, and still creates nothing.
     stays("no image and no PV", Duration::from_secs(3), || async {
-        let pvs = env
-            .pvs()
-            .list(&Default::default())
-            .await
-            .map_err(|e| e.to_string())?;
-        let ours = pvs
-            .items
-            .iter()
-            .filter(|p| {
-                p.spec
-                    .as_ref()
-                    .and_then(|s| s.csi.as_ref())
-                    .is_some_and(|c| c.driver == env.name)
-            })
-            .count();
+        let ours = env.our_pvs().await?.len();
         if env.images().is_empty() && ours == 0 {
             Ok(())
         } else {
@@ -684,18 +670,10 @@ async fn killed_mid_provision_and_restarted_leaves_one_image_and_one_pv() {
     let pv_name = pv.metadata.name.unwrap();
     assert_eq!(env.images(), vec![pv_name.clone()]);
     let ours: Vec<String> = env
-        .pvs()
-        .list(&Default::default())
+        .our_pvs()
         .await
         .unwrap()
-        .items
         .into_iter()
-        .filter(|p| {
-            p.spec
-                .as_ref()
-                .and_then(|s| s.csi.as_ref())
-                .is_some_and(|c| c.driver == env.name)
-        })
         .filter_map(|p| p.metadata.name)
         .collect();
     assert_eq!(ours, vec![pv_name]);
@@ -746,21 +724,10 @@ async fn killed_mid_provision_and_restarted_leaves_one_image_and_one_pv() {
     // is the same: no image and no PV for the deleted claim.
     let cleaned = || async {
         let n = env
-            .pvs()
-            .list(&Default::default())
-            .await
-            .map_err(|e| e.to_string())?
-            .items
+            .our_pvs()
+            .await?
             .iter()
-            .filter(|p| {
-                let spec = p.spec.as_ref();
-                spec.and_then(|s| s.claim_ref.as_ref())
-                    .and_then(|r| r.name.as_deref())
-                    == Some("gone")
-                    && spec
-                        .and_then(|s| s.csi.as_ref())
-                        .is_some_and(|c| c.driver == env.name)
-            })
+            .filter(|p| claim_name(p) == Some("gone"))
             .count();
         let images = env.images();
         if n == 0 && images.len() == 1 {

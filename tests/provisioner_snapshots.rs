@@ -11,7 +11,7 @@ use kube::api::DeleteParams;
 use serde_json::json;
 
 use rbdkit::provisioner::snapshots::{ANN_BEING_CREATED, SNAPSHOT_FINALIZER};
-use rbdkit::rbd::{self, Image, SnapNamespaceType};
+use rbdkit::rbd::{self, Image};
 use rbdkit::volume::snapshot::{META_KIND, SNAP_NAME};
 use rbdkit::volume::{SnapshotId, VolumeId};
 
@@ -75,25 +75,6 @@ fn snapshot_images(env: &Env) -> Vec<String> {
                 .and_then(|i| i.metadata_get(META_KIND))
                 .is_ok_and(|k| k == "snapshot")
         })
-        .collect()
-}
-
-fn trash(env: &Env) -> Vec<String> {
-    rbd::trash_list(&env.rbd.ioctx)
-        .expect("trash list")
-        .into_iter()
-        .map(|e| e.name)
-        .collect()
-}
-
-/// User snapshots of `image` (a temporary one left behind would show).
-fn user_snaps(env: &Env, image: &str) -> Vec<String> {
-    let img = Image::open_read_only(&env.rbd.ioctx, image).expect("open");
-    img.snap_list()
-        .expect("snap list")
-        .into_iter()
-        .filter(|s| img.snap_namespace_type(s.id).expect("ns type") == SnapNamespaceType::User)
-        .map(|s| s.name)
         .collect()
 }
 
@@ -172,7 +153,7 @@ async fn a_snapshot_becomes_ready_and_goes_with_its_volumesnapshot() {
     assert!(buf == pattern(7, 1 << 20), "snapshot data differs");
     drop(img);
     // The source keeps no snapshot of its own.
-    assert!(user_snaps(&env, &vol.image).is_empty());
+    assert!(env.user_snaps(&vol.image).is_empty());
 
     // Delete policy: the VolumeSnapshot's deletion removes the content and
     // the snapshot image.
@@ -181,10 +162,10 @@ async fn a_snapshot_becomes_ready_and_goes_with_its_volumesnapshot() {
     wait_content_gone(&env, &cname).await;
     eventually("snapshot image removed", WAIT, || async {
         let left = snapshot_images(&env);
-        if left.is_empty() && trash(&env).is_empty() {
+        if left.is_empty() && env.trash().is_empty() {
             Ok(())
         } else {
-            Err(format!("images {left:?}, trash {:?}", trash(&env)))
+            Err(format!("images {left:?}, trash {:?}", env.trash()))
         }
     })
     .await;
@@ -274,7 +255,7 @@ async fn a_bad_class_parameter_is_reported_and_nothing_is_made() {
     eprintln!("events: {events:?}");
     // Nothing in Ceph, and no finalizer of ours.
     assert_eq!(env.images(), vec![vol.image.clone()]);
-    assert!(user_snaps(&env, &vol.image).is_empty());
+    assert!(env.user_snaps(&vol.image).is_empty());
     assert!(!c
         .metadata
         .finalizers
@@ -338,7 +319,7 @@ async fn kill9_mid_snapshot_leaves_exactly_one_snapshot_and_no_leak() {
     let mut have = env.images();
     have.sort();
     assert_eq!(have, want, "a temporary image was left");
-    assert!(user_snaps(&env, &vol.image).is_empty());
+    assert!(env.user_snaps(&vol.image).is_empty());
     snaps::delete_snapshot(&env.client, &env.ns, "s1").await;
     wait_content_gone(&env, &c.metadata.name.clone().unwrap()).await;
     assert_eq!(env.images(), vec![vol.image.clone()]);
@@ -370,14 +351,14 @@ async fn kill9_mid_snapshot_leaves_exactly_one_snapshot_and_no_leak() {
     wait_content_gone(&env, &cname).await;
     eventually("no snapshot image left", WAIT, || async {
         let images = env.images();
-        if images == vec![vol.image.clone()] && trash(&env).is_empty() {
+        if images == vec![vol.image.clone()] && env.trash().is_empty() {
             Ok(())
         } else {
-            Err(format!("images {images:?}, trash {:?}", trash(&env)))
+            Err(format!("images {images:?}, trash {:?}", env.trash()))
         }
     })
     .await;
-    assert!(user_snaps(&env, &vol.image).is_empty());
+    assert!(env.user_snaps(&vol.image).is_empty());
     snaps::delete_class(&env.client, &sclass).await;
 }
 

@@ -38,6 +38,11 @@ pub fn from_json<T: DeserializeOwned>(value: serde_json::Value) -> T {
     serde_json::from_value(value).expect("test object does not deserialize")
 }
 
+/// The name in a PV's claimRef.
+pub fn claim_name(pv: &PersistentVolume) -> Option<&str> {
+    pv.spec.as_ref()?.claim_ref.as_ref()?.name.as_deref()
+}
+
 /// Polls `f` every 200 ms until it returns `Ok`, for at most `timeout`;
 /// then panics with `what` and the last state `f` described.
 pub async fn eventually<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
@@ -380,6 +385,25 @@ impl Env {
         Api::all(self.client.clone())
     }
 
+    /// The PVs whose CSI driver is this test's provisioner.
+    pub async fn our_pvs(&self) -> Result<Vec<PersistentVolume>, String> {
+        let pvs = self
+            .pvs()
+            .list(&Default::default())
+            .await
+            .map_err(|e| format!("cannot list PVs: {e}"))?;
+        Ok(pvs
+            .items
+            .into_iter()
+            .filter(|p| {
+                p.spec
+                    .as_ref()
+                    .and_then(|s| s.csi.as_ref())
+                    .is_some_and(|c| c.driver == self.name)
+            })
+            .collect())
+    }
+
     /// Creates a claim.
     pub async fn claim(
         &self,
@@ -496,6 +520,29 @@ impl Env {
     /// Image names in the test's RADOS namespace.
     pub fn images(&self) -> Vec<String> {
         rbd::list_names(&self.rbd.ioctx).expect("list images")
+    }
+
+    /// The names in the test namespace's RBD trash.
+    pub fn trash(&self) -> Vec<String> {
+        rbd::trash_list(&self.rbd.ioctx)
+            .expect("trash list")
+            .into_iter()
+            .map(|e| e.name)
+            .collect()
+    }
+
+    /// The user snapshots of `image` (a temporary one left behind shows).
+    pub fn user_snaps(&self, image: &str) -> Vec<String> {
+        let img = rbd::Image::open_read_only(&self.rbd.ioctx, image).expect("open");
+        img.snap_list()
+            .expect("snap list")
+            .into_iter()
+            .filter(|s| {
+                img.snap_namespace_type(s.id).expect("snapshot namespace")
+                    == rbd::SnapNamespaceType::User
+            })
+            .map(|s| s.name)
+            .collect()
     }
 
     /// Deletes a claim.
