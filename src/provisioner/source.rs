@@ -10,12 +10,14 @@
 //! first touched until no clone of it is in progress, so its PV (and image)
 //! cannot go away under a clone.
 
+use std::collections::BTreeMap;
+
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
-use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
 use kube::ResourceExt;
-use serde_json::json;
 
 use crate::k8s::quantity::parse_bytes;
+use crate::provisioner::controller::edit_meta;
 use crate::provisioner::pv::our_volume;
 use crate::volume::{SnapshotId, VolumeId};
 
@@ -359,38 +361,7 @@ pub async fn set_protection(
     present: bool,
 ) -> Result<bool, kube::Error> {
     let api: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), namespace);
-    for attempt in 1.. {
-        let Some(obj) = api.get_opt(name).await? else {
-            return Ok(!present);
-        };
-        let mut finalizers = obj.finalizers().to_vec();
-        let had = finalizers.iter().any(|f| f == CLONE_FINALIZER);
-        if had == present {
-            return Ok(true);
-        }
-        if present {
-            if obj.metadata.deletion_timestamp.is_some() {
-                return Ok(false);
-            }
-            finalizers.push(CLONE_FINALIZER.to_owned());
-        } else {
-            finalizers.retain(|f| f != CLONE_FINALIZER);
-        }
-        let patch = json!({"metadata": {
-            "resourceVersion": obj.metadata.resource_version,
-            "finalizers": finalizers,
-        }});
-        match api
-            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-        {
-            Ok(_) => return Ok(true),
-            Err(kube::Error::Api(e)) if e.code == 404 => return Ok(!present),
-            Err(kube::Error::Api(e)) if e.code == 409 && attempt < 5 => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    unreachable!("the loop returns")
+    edit_meta(&api, name, CLONE_FINALIZER, present, &BTreeMap::new()).await
 }
 
 /// Lets go of source claim `source` once no claim other than `done` (a uid)
@@ -424,6 +395,7 @@ pub async fn release_source(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn claim(spec: serde_json::Value) -> PersistentVolumeClaim {
         serde_json::from_value(json!({
