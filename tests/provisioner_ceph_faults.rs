@@ -1,6 +1,6 @@
 //! A Ceph daemon stopped under a running provisioner, on a private cluster
-//! (the shared one keeps running for the other tests): the OSD. (The
-//! monitor case is on branch hs4-wip: a resize there once hung.) Operations started meanwhile fail within their
+//! (the shared one keeps running for the other tests): the OSD, then in
+//! another test the monitor. Operations started meanwhile fail within their
 //! bounds with events that say so, `/readyz` reports the cluster degraded,
 //! and once the daemon is back everything completes without restarting
 //! rbdkit. Nothing is leaked: no image without a PV, no PV without a claim,
@@ -262,6 +262,123 @@ async fn osd_stopped_mid_run_times_out_reports_degraded_and_recovers() {
     assert_eq!(size, 16 * MIB);
     drop(io);
     drop(c);
+    w.audit(&["grow", "new"]).await;
+    assert!(!w.child.log_text().contains(&w.ceph.admin_key()));
+    let _ = w.child.terminate();
+}
+
+/// The operations start once the probe has seen the monitor go: before
+/// that, a session opened earlier still reaches the OSD, and an operation
+/// that needs no monitor (a resize) may simply succeed. One did, 43 ms
+/// before the probe noticed, which is how this test once waited in vain
+/// for a VolumeResizeFailed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn monitor_stopped_mid_run_is_reported_and_recovers() {
+    let mut w = World::new("monfault").await;
+    let env = &w.env;
+    env.claim("grow", &w.class, "8Mi", &["ReadWriteOnce"], "Block")
+        .await;
+    env.claim("del", &w.class, "8Mi", &["ReadWriteOnce"], "Block")
+        .await;
+    let (_, grow_pv) = env.wait_bound("grow").await;
+    let grow_image = grow_pv.metadata.name.unwrap();
+    let (_, del_pv) = env.wait_bound("del").await;
+    let del_pv = del_pv.metadata.name.unwrap();
+    assert_eq!(w.readyz().await, (200, "ok".to_owned()));
+    let pid = w.child.pid();
+
+    w.ceph.stop_daemon("mon.a");
+    let stopped = Instant::now();
+    let body = eventually(
+        "/readyz to report the cluster unreachable",
+        WAIT,
+        || async {
+            match w.readyz().await {
+                (200, b) if b.starts_with("degraded") && b.contains(&w.cluster_id) => Ok(b),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    eprintln!(
+        "/readyz with the monitor down after {:?}: {body}",
+        stopped.elapsed()
+    );
+    assert!(body.contains("unreachable"), "{body}");
+    let t0 = Instant::now();
+    env.claim("new", &w.class, "8Mi", &["ReadWriteOnce"], "Block")
+        .await;
+    env.resize_claim("grow", "16Mi").await;
+    env.delete_claim("del").await;
+    let e = env
+        .wait_event("new", "ProvisioningFailed", &[&w.cluster_id])
+        .await;
+    let first_failure = t0.elapsed();
+    let note = e.note.unwrap_or_default();
+    eprintln!("first provisioning failure after {first_failure:?}: {note}");
+    assert!(
+        note.contains("unreachable") || note.contains("ETIMEDOUT"),
+        "{note}"
+    );
+    // At worst one connect bound (10 s) and one op bound.
+    assert!(
+        first_failure < Duration::from_secs(10) + OP_TIMEOUT + Duration::from_secs(5),
+        "{first_failure:?}"
+    );
+    let e = env
+        .wait_event("grow", "VolumeResizeFailed", &[&w.cluster_id])
+        .await;
+    eprintln!(
+        "resize failure after {:?}: {}",
+        t0.elapsed(),
+        e.note.unwrap_or_default()
+    );
+    let e = env
+        .wait_event(&del_pv, "VolumeFailedDelete", &[&w.cluster_id])
+        .await;
+    eprintln!(
+        "delete failure after {:?}: {}",
+        t0.elapsed(),
+        e.note.unwrap_or_default()
+    );
+    assert!(w.child.running(), "{}", w.child.log_tail());
+    assert!(
+        t0.elapsed() < Duration::from_secs(10) + OP_TIMEOUT + Duration::from_secs(5),
+        "{:?}",
+        t0.elapsed()
+    );
+
+    w.ceph.start_daemon("mon.a");
+    let t1 = Instant::now();
+    env.wait_bound("new").await;
+    env.wait_gone(&env.pvs(), &del_pv).await;
+    eventually("grow's PV at 16Mi", WAIT, || async {
+        let (_, pv) = env.wait_bound("grow").await;
+        if capacity(&pv) == 16 * MIB {
+            Ok(())
+        } else {
+            Err(format!("capacity {}", capacity(&pv)))
+        }
+    })
+    .await;
+    eprintln!("all done {:?} after the monitor came back", t1.elapsed());
+    let c = w.ceph.connect();
+    let io = c.ioctx(POOL).unwrap();
+    let size = rbd::Image::open_read_only(&io, &grow_image)
+        .and_then(|i| i.size())
+        .unwrap();
+    assert_eq!(size, 16 * MIB);
+    drop(io);
+    drop(c);
+    eventually("/readyz ok again", WAIT, || async {
+        match w.readyz().await {
+            (200, b) if b == "ok" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    assert_eq!(w.child.pid(), pid);
+    assert!(w.child.running(), "{}", w.child.log_tail());
     w.audit(&["grow", "new"]).await;
     assert!(!w.child.log_text().contains(&w.ceph.admin_key()));
     let _ = w.child.terminate();
