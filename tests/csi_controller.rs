@@ -196,7 +196,7 @@ async fn bad_requests_name_the_problem_and_create_nothing() {
                 r
             },
             Code::PermissionDenied,
-            "admin",
+            support::ceph::PROVISIONER_USER,
         ),
         (
             "limit below required",

@@ -224,7 +224,8 @@ async fn krbd_maps_and_unmaps_through_sysfs_strings() {
         add[0]
     );
     let opts: Vec<&str> = add[1].split(',').collect();
-    assert!(opts.contains(&"name=admin"), "{}", add[1]);
+    let name = format!("name={}", support::ceph::NODE_USER);
+    assert!(opts.contains(&name.as_str()), "{}", add[1]);
     assert!(
         opts.contains(&format!("_pool_ns={}", vol.rados_namespace).as_str()),
         "{}",
@@ -253,7 +254,7 @@ async fn krbd_maps_and_unmaps_through_sysfs_strings() {
         removes[0].split_whitespace().collect::<Vec<_>>(),
         vec!["0", "force"]
     );
-    let key = &env.secrets()["userKey"];
+    let key = &env.node_secrets()["userKey"];
     assert!(
         !env.csi.log_text().contains(key.as_str()),
         "key in the driver's log"

@@ -6,6 +6,7 @@
 
 mod support;
 
+use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
 use std::process::Command;
 
@@ -29,20 +30,24 @@ async fn csi_sanity_passes() {
     env.identity().await;
 
     let secrets = env.path("secrets.yaml");
-    let s = env.secrets();
-    let one = format!("  userID: {}\n  userKey: {}\n", s["userID"], s["userKey"]);
+    // Each side with its own least-privilege user.
+    let entry = |s: HashMap<String, String>| {
+        format!("  userID: {}\n  userKey: {}\n", s["userID"], s["userKey"])
+    };
+    let controller = entry(env.secrets());
+    let node = entry(env.node_secrets());
     let mut text = String::new();
-    for key in [
-        "CreateVolumeSecret",
-        "DeleteVolumeSecret",
-        "ControllerValidateVolumeCapabilitiesSecret",
-        "ControllerExpandVolumeSecret",
-        "NodeStageVolumeSecret",
-        "NodePublishVolumeSecret",
-        "NodeExpandVolumeSecret",
-        "CreateSnapshotSecret",
-        "DeleteSnapshotSecret",
-        "ListSnapshotsSecret",
+    for (key, one) in [
+        ("CreateVolumeSecret", &controller),
+        ("DeleteVolumeSecret", &controller),
+        ("ControllerValidateVolumeCapabilitiesSecret", &controller),
+        ("ControllerExpandVolumeSecret", &controller),
+        ("NodeStageVolumeSecret", &node),
+        ("NodePublishVolumeSecret", &node),
+        ("NodeExpandVolumeSecret", &node),
+        ("CreateSnapshotSecret", &controller),
+        ("DeleteSnapshotSecret", &controller),
+        ("ListSnapshotsSecret", &controller),
     ] {
         text.push_str(&format!("{key}:\n{one}"));
     }
@@ -78,15 +83,16 @@ async fn csi_sanity_passes() {
         .expect("run scripts/csi-sanity");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    let key = &s["userKey"];
-    assert!(
-        !stdout.contains(key.as_str()) && !stderr.contains(key.as_str()),
-        "key in csi-sanity output"
-    );
-    assert!(
-        !env.csi.log_text().contains(key.as_str()),
-        "key in the driver's log"
-    );
+    for key in [&env.secrets()["userKey"], &env.node_secrets()["userKey"]] {
+        assert!(
+            !stdout.contains(key.as_str()) && !stderr.contains(key.as_str()),
+            "key in csi-sanity output"
+        );
+        assert!(
+            !env.csi.log_text().contains(key.as_str()),
+            "key in the driver's log"
+        );
+    }
     let keep = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("csi-sanity-junit.xml");
     let _ = std::fs::copy(&junit, &keep);
     let summary: Vec<&str> = stdout

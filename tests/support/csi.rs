@@ -16,7 +16,9 @@ use rbdkit::csi::proto::{
 use serde_json::json;
 use tonic::transport::{Channel, Endpoint};
 
-use super::ceph::{unique, TestCluster, TestNs};
+use super::ceph::{
+    node_key, provisioner_key, unique, TestCluster, TestNs, NODE_USER, PROVISIONER_USER,
+};
 
 /// The rbdkit daemons a [`CsiEnv`] runs.
 pub type Daemon = super::process::Proc;
@@ -179,11 +181,21 @@ impl CsiEnv {
         }
     }
 
-    /// The secrets every call carries (the admin user).
+    /// The secrets of controller-side calls: the least-privilege
+    /// provisioner user, as deploy/README.md gives it.
     pub fn secrets(&self) -> HashMap<String, String> {
         HashMap::from([
-            ("userID".to_owned(), "admin".to_owned()),
-            ("userKey".to_owned(), TestCluster::get().admin_key()),
+            ("userID".to_owned(), PROVISIONER_USER.to_owned()),
+            ("userKey".to_owned(), provisioner_key()),
+        ])
+    }
+
+    /// The secrets of node-side calls (stage, publish, expand): the
+    /// least-privilege node user.
+    pub fn node_secrets(&self) -> HashMap<String, String> {
+        HashMap::from([
+            ("userID".to_owned(), NODE_USER.to_owned()),
+            ("userKey".to_owned(), node_key()),
         ])
     }
 
@@ -248,7 +260,7 @@ impl CsiEnv {
             volume_id: volume_id.to_owned(),
             staging_target_path: staging.display().to_string(),
             volume_capability: Some(cap),
-            secrets: self.secrets(),
+            secrets: self.node_secrets(),
             ..Default::default()
         }
     }
