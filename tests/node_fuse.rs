@@ -208,8 +208,9 @@ fn spec(ns: &TestNs, volume_id: &str, image: &str) -> MapSpec {
     MapSpec {
         volume_id: volume_id.into(),
         monitors: monitors(),
-        user: "admin".into(),
-        key: Secret::new(TestCluster::get().admin_key()),
+        // The least-privilege node user, as the CSI node service gets it.
+        user: support::ceph::NODE_USER.into(),
+        key: Secret::new(support::ceph::node_key()),
         pool: POOL.into(),
         namespace: ns.name.clone(),
         image: image.into(),
@@ -551,7 +552,7 @@ fn the_key_is_nowhere_but_the_socket() {
     let ns = TestNs::new("fuse-key");
     let tmp = tempdir("key");
     let d = Daemon::start(tmp.path());
-    let key = TestCluster::get().admin_key();
+    let key = support::ceph::node_key();
     let mode = std::fs::metadata(d.socket()).unwrap().permissions().mode();
     assert_eq!(mode & 0o777, 0o600, "socket mode {mode:o}");
 
