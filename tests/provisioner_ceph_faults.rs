@@ -42,6 +42,12 @@ struct World {
 
 impl World {
     async fn new(test: &str) -> World {
+        World::with_health_interval(test, "1s").await
+    }
+
+    /// With `--ceph-health-interval` `every` (how soon the monitor probe
+    /// sees a monitor go).
+    async fn with_health_interval(test: &str, every: &str) -> World {
         let mut env = Env::new(test).await;
         let ceph = PrivateCluster::start(test);
         let cluster_id = format!("{}-private", env.cluster_id);
@@ -76,7 +82,7 @@ impl World {
             )
             .await;
         let child =
-            env.start_process_with(&format!("{test}-1"), &[("--ceph-health-interval", "1s")]);
+            env.start_process_with(&format!("{test}-1"), &[("--ceph-health-interval", every)]);
         let http = child.http_addr().await;
         World {
             child,
@@ -379,6 +385,76 @@ async fn monitor_stopped_mid_run_is_reported_and_recovers() {
     .await;
     assert_eq!(w.child.pid(), pid);
     assert!(w.child.running(), "{}", w.child.log_tail());
+    w.audit(&["grow", "new"]).await;
+    assert!(!w.child.log_text().contains(&w.ceph.admin_key()));
+    let _ = w.child.terminate();
+}
+
+/// Before the probe sees the monitor go (here it never looks), the session
+/// opened earlier still reaches the OSD: a resize, which needs no monitor,
+/// completes, and a provisioning, which asks the monitor for the pool's
+/// quota, times out within its bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn monitor_stopped_unseen_resize_completes_and_create_times_out() {
+    let mut w = World::with_health_interval("monunseen", "1h").await;
+    let env = &w.env;
+    env.claim("grow", &w.class, "8Mi", &["ReadWriteOnce"], "Block")
+        .await;
+    let (_, grow_pv) = env.wait_bound("grow").await;
+    let grow_image = grow_pv.metadata.name.unwrap();
+    let pid = w.child.pid();
+
+    w.ceph.stop_daemon("mon.a");
+    let t0 = Instant::now();
+    env.resize_claim("grow", "16Mi").await;
+    env.wait_event("grow", "VolumeResizeSuccessful", &[]).await;
+    let (_, pv) = env.wait_bound("grow").await;
+    assert_eq!(capacity(&pv), 16 * MIB);
+    eprintln!("resized with the monitor down after {:?}", t0.elapsed());
+
+    let t1 = Instant::now();
+    env.claim("new", &w.class, "8Mi", &["ReadWriteOnce"], "Block")
+        .await;
+    let e = env
+        .wait_event("new", "ProvisioningFailed", &["ETIMEDOUT", &w.cluster_id])
+        .await;
+    let failed = t1.elapsed();
+    let note = e.note.unwrap_or_default();
+    eprintln!("provisioning failure after {failed:?}: {note}");
+    assert!(
+        failed < OP_TIMEOUT * 2 + Duration::from_secs(5),
+        "{failed:?}"
+    );
+    let body = eventually("/readyz to report the cluster degraded", WAIT, || async {
+        match w.readyz().await {
+            (200, b) if b.starts_with("degraded") && b.contains(&w.cluster_id) => Ok(b),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    eprintln!("/readyz: {body}");
+    assert!(w.child.running(), "{}", w.child.log_tail());
+
+    w.ceph.start_daemon("mon.a");
+    let t2 = Instant::now();
+    env.wait_bound("new").await;
+    eprintln!("provisioned {:?} after the monitor came back", t2.elapsed());
+    eventually("/readyz ok again", WAIT, || async {
+        match w.readyz().await {
+            (200, b) if b == "ok" => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    assert_eq!(w.child.pid(), pid);
+    let c = w.ceph.connect();
+    let io = c.ioctx(POOL).unwrap();
+    let size = rbd::Image::open_read_only(&io, &grow_image)
+        .and_then(|i| i.size())
+        .unwrap();
+    assert_eq!(size, 16 * MIB);
+    drop(io);
+    drop(c);
     w.audit(&["grow", "new"]).await;
     assert!(!w.child.log_text().contains(&w.ceph.admin_key()));
     let _ = w.child.terminate();
