@@ -349,3 +349,62 @@ fn a_temporary_image_with_a_partial_owner_record_is_cleaned_up() {
     assert!(matches!(e, VolumeError::NotOwned { .. }), "{e}");
     assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec![temp]);
 }
+
+/// A kill -9 inside librbd's `rbd_remove`, after it removed the image's id
+/// object but before its directory entry: the name is still listed but no
+/// longer opens. The delete retried after the restart must finish the
+/// remove, not report the image gone (which leaked it, with its data, in
+/// the chaos test); and an image in that state that is not ours stays.
+#[test]
+fn a_remove_cut_short_inside_librbd_is_finished_by_the_retry() {
+    let ns = TestNs::new("cutshort");
+    let m = metrics();
+    let c = cluster();
+    let vol = |image: &str| VolumeId {
+        cluster_id: "test".into(),
+        pool: POOL.into(),
+        rados_namespace: ns.name.clone(),
+        image: image.into(),
+    };
+    let opts = ImageOptions::new();
+    ensure_image(
+        &c,
+        &m,
+        &NoFence,
+        &vol("pvc-4"),
+        4 << 20,
+        &opts,
+        &owner("pvc-4"),
+    )
+    .unwrap();
+    // The state librbd's trash move leaves between its two steps.
+    ns.ioctx.remove("rbd_id.pvc-4").unwrap();
+    let e = Image::open_read_only(&ns.ioctx, "pvc-4").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+    assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec!["pvc-4"]);
+    assert_eq!(
+        delete_image(&c, &m, &NoFence, &vol("pvc-4"), "p.rbdkit.test", "pvc-4").unwrap(),
+        Deleted::Removed
+    );
+    assert!(rbd::list_names(&ns.ioctx).unwrap().is_empty());
+    let left: Vec<String> = ns
+        .ioctx
+        .list_objects()
+        .unwrap()
+        .into_iter()
+        .filter(|o| o.starts_with("rbd_header.") || o.starts_with("rbd_data."))
+        .collect();
+    assert!(left.is_empty(), "objects of the image left: {left:?}");
+    // Nothing left to do: a second retry is a no-op.
+    assert_eq!(
+        delete_image(&c, &m, &NoFence, &vol("pvc-4"), "p.rbdkit.test", "pvc-4").unwrap(),
+        Deleted::AlreadyGone
+    );
+
+    // Someone else's image in the same state is left alone.
+    rbd::create(&ns.ioctx, "pvc-5", 4 << 20, &opts).unwrap();
+    ns.ioctx.remove("rbd_id.pvc-5").unwrap();
+    let e = delete_image(&c, &m, &NoFence, &vol("pvc-5"), "p.rbdkit.test", "pvc-5").unwrap_err();
+    assert!(matches!(e, VolumeError::NotOwned { .. }), "{e}");
+    assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec!["pvc-5"]);
+}

@@ -543,6 +543,10 @@ fn delete_image_steps(
                     Err(e) if e.kind() == ErrorKind::NotFound => {}
                     Err(e) => return Err(e.into()),
                 }
+            } else if let done @ (Deleted::Removed | Deleted::Purged) =
+                finish_cut_short_remove(&io, metrics, fence, name, &object, provisioner, pv_name)?
+            {
+                outcome = done;
             }
             continue;
         };
@@ -615,6 +619,50 @@ fn delete_image_steps(
         }
     }
     Ok(outcome)
+}
+
+/// Finishes an `rbd_remove` killed part-way, which leaves an image that no
+/// longer opens by name. librbd removes through the trash: it adds a trash
+/// entry (marked "removing", which `rbd_trash_list` never shows), removes
+/// the image's id object, then its directory entry, then the image. Killed
+/// before the directory step, the name is still listed but does not open;
+/// killed after it, nothing shows at all. Either way the data stays, and
+/// treating the image as gone leaked it. `rbd_remove` on the name finishes
+/// both: still listed, only once its header (by id) is proven ours; not
+/// listed, librbd acts only on a trash entry of that name that an earlier
+/// `rbd_remove` marked as being removed.
+fn finish_cut_short_remove(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    fence: &dyn Fence,
+    name: &str,
+    object: &str,
+    provisioner: &str,
+    pv_name: &str,
+) -> Result<Deleted, VolumeError> {
+    let listed = timed(metrics, "list", || rbd::list(io))?;
+    if let Some(spec) = listed.iter().find(|s| s.name == name) {
+        // Fail closed: a listed image whose owner cannot be read stays.
+        let img = timed(metrics, "open", || {
+            Image::open_by_id_read_only(io, &spec.id)
+        })
+        .map_err(|e| VolumeError::NotOwned {
+            image: format!("{name} (id {})", spec.id),
+            why: format!("it is listed but does not open, and its owner cannot be checked: {e}"),
+        })?;
+        check_owner(&img, metrics, provisioner, pv_name)?;
+        tracing::warn!(image = object, "finishing a remove cut short");
+    }
+    fenced(fence, "rbd_remove", object)?;
+    match timed(metrics, "remove", || rbd::remove(io, name)) {
+        Ok(()) => Ok(Deleted::Removed),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(Deleted::AlreadyGone),
+        Err(e) if e.kind() == ErrorKind::Busy => Err(VolumeError::InUse {
+            image: name.to_owned(),
+            watchers: 0,
+        }),
+        Err(e) => Err(e.into()),
+    }
 }
 
 pub(crate) fn has_snapshots_or_children(
