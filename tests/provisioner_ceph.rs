@@ -15,7 +15,8 @@ use rbdkit::rados::Secret;
 use rbdkit::rbd::{self, Image, ImageOptions};
 use rbdkit::volume::clusters::{ClusterInfo, Connections, Credentials};
 use rbdkit::volume::ops::{
-    delete_image, ensure_image, expand_image, Deleted, Owner, VolumeError, TEMP_SUFFIX,
+    delete_image, ensure_image, expand_image, recorded_pv_name, Deleted, Owner, VolumeError,
+    TEMP_SUFFIX,
 };
 use rbdkit::volume::{NoFence, VolumeId};
 use rbdkit::{Error, ErrorKind};
@@ -382,6 +383,11 @@ fn a_remove_cut_short_inside_librbd_is_finished_by_the_retry() {
     let e = Image::open_read_only(&ns.ioctx, "pvc-4").unwrap_err();
     assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
     assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec!["pvc-4"]);
+    // CSI DeleteVolume finds its PV name through the header, by id.
+    assert_eq!(
+        recorded_pv_name(&c, &m, &vol("pvc-4"), "p.rbdkit.test").unwrap(),
+        Some("pvc-4".to_owned())
+    );
     assert_eq!(
         delete_image(&c, &m, &NoFence, &vol("pvc-4"), "p.rbdkit.test", "pvc-4").unwrap(),
         Deleted::Removed

@@ -802,6 +802,15 @@ pub fn recorded_pv_name(
     if let Some(image) = open_if_exists(&io, metrics, &vol.image)? {
         return read(&image, &vol.image).map(Some);
     }
+    // Listed but not openable by name: a remove cut short inside librbd
+    // (see [`finish_cut_short_remove`]); its header still opens by id.
+    let listed = timed(metrics, "list", || rbd::list(&io))?;
+    if let Some(spec) = listed.iter().find(|s| s.name == vol.image) {
+        let image = timed(metrics, "open", || {
+            Image::open_by_id_read_only(&io, &spec.id)
+        })?;
+        return read(&image, &vol.image).map(Some);
+    }
     let temp = format!("{}{TEMP_SUFFIX}", vol.image);
     if let Some(image) = open_if_exists(&io, metrics, &temp)? {
         // Cut short before its metadata: its name is derived from the
