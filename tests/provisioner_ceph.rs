@@ -414,3 +414,57 @@ fn a_remove_cut_short_inside_librbd_is_finished_by_the_retry() {
     assert!(matches!(e, VolumeError::NotOwned { .. }), "{e}");
     assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec!["pvc-5"]);
 }
+
+/// A kill -9 inside `rbd_rename` of the temporary image, between its two
+/// writes: the final name's id object exists (so the final name opens) but
+/// the directory still lists only the temporary name. A retried create must
+/// finish the rename (its PV is made on the strength of it), and so must a
+/// delete.
+#[test]
+fn a_rename_cut_short_inside_librbd_is_finished_by_the_retry() {
+    let ns = TestNs::new("cutrename");
+    let m = metrics();
+    let c = cluster();
+    let vol = VolumeId {
+        cluster_id: "test".into(),
+        pool: POOL.into(),
+        rados_namespace: ns.name.clone(),
+        image: "pvc-6".into(),
+    };
+    let temp = format!("pvc-6{TEMP_SUFFIX}");
+    let opts = ImageOptions::new();
+    let cut_short = || {
+        ensure_image(&c, &m, &NoFence, &vol, 4 << 20, &opts, &owner("pvc-6")).unwrap();
+        // Back to the temporary name, then the first write of the rename.
+        rbd::rename(&ns.ioctx, "pvc-6", &temp).unwrap();
+        let id = ns.ioctx.read(&format!("rbd_id.{temp}"), 4096, 0).unwrap();
+        ns.ioctx.write_full("rbd_id.pvc-6", &id).unwrap();
+        Image::open_read_only(&ns.ioctx, "pvc-6").unwrap();
+        assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec![temp.clone()]);
+    };
+    cut_short();
+    assert_eq!(
+        ensure_image(&c, &m, &NoFence, &vol, 4 << 20, &opts, &owner("pvc-6")).unwrap(),
+        4 << 20
+    );
+    assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec!["pvc-6"]);
+
+    assert_eq!(
+        delete_image(&c, &m, &NoFence, &vol, "p.rbdkit.test", "pvc-6").unwrap(),
+        Deleted::Removed
+    );
+    cut_short();
+    assert_eq!(
+        delete_image(&c, &m, &NoFence, &vol, "p.rbdkit.test", "pvc-6").unwrap(),
+        Deleted::Removed
+    );
+    assert!(rbd::list_names(&ns.ioctx).unwrap().is_empty());
+    let left: Vec<String> = ns
+        .ioctx
+        .list_objects()
+        .unwrap()
+        .into_iter()
+        .filter(|o| o.starts_with("rbd_header.") || o.starts_with("rbd_id."))
+        .collect();
+    assert!(left.is_empty(), "objects of the image left: {left:?}");
+}

@@ -364,6 +364,9 @@ fn ensure_image_steps(
     if let Some(existing) = open_if_exists(&io, metrics, &vol.image)? {
         check_owner(&existing, metrics, &owner.provisioner, &owner.pv_name)?;
         let current = timed(metrics, "size", || existing.size())?;
+        let id = timed(metrics, "id", || existing.id())?;
+        drop(existing);
+        finish_cut_short_rename(&io, metrics, fence, vol, &id)?;
         return Ok(current);
     }
     check_pool_quota(cluster, metrics, vol, size)?;
@@ -579,6 +582,10 @@ fn delete_image_steps(
                 watchers: watchers.len(),
             });
         }
+        if name != temp {
+            let id = timed(metrics, "id", || image.id())?;
+            finish_cut_short_rename(&io, metrics, fence, vol, &id)?;
+        }
         drop(image);
         match crate::volume::snapshot::remove_or_trash(
             cluster,
@@ -619,6 +626,42 @@ fn delete_image_steps(
         }
     }
     Ok(outcome)
+}
+
+/// Finishes an `rbd_rename` of the temporary image killed between its two
+/// writes: librbd first writes the new name's id object, then renames the
+/// directory entry. Cut short in between, the final name opens (so the
+/// volume looked made and its PV was created) while the directory still
+/// lists only the temporary name, which then leaked. Only when the listed
+/// temporary name has the very id the final name opens (an image already
+/// proven ours): the stray id object goes and the rename is made again.
+fn finish_cut_short_rename(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    fence: &dyn Fence,
+    vol: &VolumeId,
+    id: &str,
+) -> Result<(), VolumeError> {
+    let temp = format!("{}{TEMP_SUFFIX}", vol.image);
+    let listed = timed(metrics, "list", || rbd::list(io))?;
+    if listed.iter().any(|s| s.name == vol.image)
+        || !listed.iter().any(|s| s.name == temp && s.id == id)
+    {
+        return Ok(());
+    }
+    let object = format!("{vol}{TEMP_SUFFIX}");
+    tracing::warn!(image = %vol, "finishing a rename cut short");
+    fenced(fence, "rados_remove", &object)?;
+    match timed(metrics, "remove", || {
+        io.remove(&format!("rbd_id.{}", vol.image))
+    }) {
+        Ok(()) => {}
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        Err(e) => return Err(e.into()),
+    }
+    fenced(fence, "rbd_rename", &object)?;
+    timed(metrics, "rename", || rbd::rename(io, &temp, &vol.image))?;
+    Ok(())
 }
 
 /// Finishes an `rbd_remove` killed part-way, which leaves an image that no
