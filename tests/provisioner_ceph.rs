@@ -407,6 +407,25 @@ fn a_remove_cut_short_inside_librbd_is_finished_by_the_retry() {
         Deleted::AlreadyGone
     );
 
+    // Killed later, after the header went too: only the listing is left,
+    // and a retry clears it rather than leaving the PV stuck.
+    ensure_image(
+        &c,
+        &m,
+        &NoFence,
+        &vol("pvc-6"),
+        4 << 20,
+        &opts,
+        &owner("pvc-6"),
+    )
+    .unwrap();
+    let id = rbd::list(&ns.ioctx).unwrap().remove(0).id;
+    ns.ioctx.remove(&format!("rbd_header.{id}")).unwrap();
+    ns.ioctx.remove("rbd_id.pvc-6").unwrap();
+    assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec!["pvc-6"]);
+    delete_image(&c, &m, &NoFence, &vol("pvc-6"), "p.rbdkit.test", "pvc-6").unwrap();
+    assert!(rbd::list_names(&ns.ioctx).unwrap().is_empty());
+
     // Someone else's image in the same state is left alone.
     rbd::create(&ns.ioctx, "pvc-5", 4 << 20, &opts).unwrap();
     ns.ioctx.remove("rbd_id.pvc-5").unwrap();

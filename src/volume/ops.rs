@@ -685,15 +685,23 @@ fn finish_cut_short_remove(
 ) -> Result<Deleted, VolumeError> {
     let listed = timed(metrics, "list", || rbd::list(io))?;
     if let Some(spec) = listed.iter().find(|s| s.name == name) {
-        // Fail closed: a listed image whose owner cannot be read stays.
-        let img = timed(metrics, "open", || {
+        // Fail closed: a listed image whose owner cannot be read stays,
+        // unless its header is known to be gone (librbd removes it after the
+        // data and before the listing): then nobody's data is left to guard.
+        match timed(metrics, "open", || {
             Image::open_by_id_read_only(io, &spec.id)
-        })
-        .map_err(|e| VolumeError::NotOwned {
-            image: format!("{name} (id {})", spec.id),
-            why: format!("it is listed but does not open, and its owner cannot be checked: {e}"),
-        })?;
-        check_owner(&img, metrics, provisioner, pv_name)?;
+        }) {
+            Ok(img) => check_owner(&img, metrics, provisioner, pv_name)?,
+            Err(e) if e.kind() == ErrorKind::NotFound && header_gone(io, metrics, &spec.id) => {}
+            Err(e) => {
+                return Err(VolumeError::NotOwned {
+                    image: format!("{name} (id {})", spec.id),
+                    why: format!(
+                        "it is listed but does not open, and its owner cannot be checked: {e}"
+                    ),
+                })
+            }
+        }
         tracing::warn!(image = object, "finishing a remove cut short");
     }
     fenced(fence, "rbd_remove", object)?;
@@ -706,6 +714,15 @@ fn finish_cut_short_remove(
         }),
         Err(e) => Err(e.into()),
     }
+}
+
+/// True only when `rados_stat` positively reports the image's header
+/// object missing; a timeout or a permission error is not an answer.
+fn header_gone(io: &IoCtx, metrics: &dyn CephObserver, id: &str) -> bool {
+    matches!(
+        timed(metrics, "stat", || io.stat(&format!("rbd_header.{id}"))),
+        Err(e) if e.kind() == ErrorKind::NotFound
+    )
 }
 
 pub(crate) fn has_snapshots_or_children(
