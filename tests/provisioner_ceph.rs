@@ -15,7 +15,8 @@ use rbdkit::rados::Secret;
 use rbdkit::rbd::{self, Image, ImageOptions};
 use rbdkit::volume::clusters::{ClusterInfo, Connections, Credentials};
 use rbdkit::volume::ops::{
-    delete_image, ensure_image, expand_image, Deleted, Owner, VolumeError, TEMP_SUFFIX,
+    delete_image, ensure_image, expand_image, recorded_pv_name, Deleted, Owner, VolumeError,
+    TEMP_SUFFIX,
 };
 use rbdkit::volume::{NoFence, VolumeId};
 use rbdkit::{Error, ErrorKind};
@@ -348,4 +349,141 @@ fn a_temporary_image_with_a_partial_owner_record_is_cleaned_up() {
     let e = delete_image(&c, &m, &NoFence, &vol, "p.rbdkit.test", "pvc-3").unwrap_err();
     assert!(matches!(e, VolumeError::NotOwned { .. }), "{e}");
     assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec![temp]);
+}
+
+/// A kill -9 inside librbd's `rbd_remove`, after it removed the image's id
+/// object but before its directory entry: the name is still listed but no
+/// longer opens. The delete retried after the restart must finish the
+/// remove, not report the image gone (which leaked it, with its data, in
+/// the chaos test); and an image in that state that is not ours stays.
+#[test]
+fn a_remove_cut_short_inside_librbd_is_finished_by_the_retry() {
+    let ns = TestNs::new("cutshort");
+    let m = metrics();
+    let c = cluster();
+    let vol = |image: &str| VolumeId {
+        cluster_id: "test".into(),
+        pool: POOL.into(),
+        rados_namespace: ns.name.clone(),
+        image: image.into(),
+    };
+    let opts = ImageOptions::new();
+    ensure_image(
+        &c,
+        &m,
+        &NoFence,
+        &vol("pvc-4"),
+        4 << 20,
+        &opts,
+        &owner("pvc-4"),
+    )
+    .unwrap();
+    // The state librbd's trash move leaves between its two steps.
+    ns.ioctx.remove("rbd_id.pvc-4").unwrap();
+    let e = Image::open_read_only(&ns.ioctx, "pvc-4").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+    assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec!["pvc-4"]);
+    // CSI DeleteVolume finds its PV name through the header, by id.
+    assert_eq!(
+        recorded_pv_name(&c, &m, &vol("pvc-4"), "p.rbdkit.test").unwrap(),
+        Some("pvc-4".to_owned())
+    );
+    assert_eq!(
+        delete_image(&c, &m, &NoFence, &vol("pvc-4"), "p.rbdkit.test", "pvc-4").unwrap(),
+        Deleted::Removed
+    );
+    assert!(rbd::list_names(&ns.ioctx).unwrap().is_empty());
+    let left: Vec<String> = ns
+        .ioctx
+        .list_objects()
+        .unwrap()
+        .into_iter()
+        .filter(|o| o.starts_with("rbd_header.") || o.starts_with("rbd_data."))
+        .collect();
+    assert!(left.is_empty(), "objects of the image left: {left:?}");
+    // Nothing left to do: a second retry is a no-op.
+    assert_eq!(
+        delete_image(&c, &m, &NoFence, &vol("pvc-4"), "p.rbdkit.test", "pvc-4").unwrap(),
+        Deleted::AlreadyGone
+    );
+
+    // Killed later, after the header went too: only the listing is left,
+    // and a retry clears it rather than leaving the PV stuck.
+    ensure_image(
+        &c,
+        &m,
+        &NoFence,
+        &vol("pvc-6"),
+        4 << 20,
+        &opts,
+        &owner("pvc-6"),
+    )
+    .unwrap();
+    let id = rbd::list(&ns.ioctx).unwrap().remove(0).id;
+    ns.ioctx.remove(&format!("rbd_header.{id}")).unwrap();
+    ns.ioctx.remove("rbd_id.pvc-6").unwrap();
+    assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec!["pvc-6"]);
+    delete_image(&c, &m, &NoFence, &vol("pvc-6"), "p.rbdkit.test", "pvc-6").unwrap();
+    assert!(rbd::list_names(&ns.ioctx).unwrap().is_empty());
+
+    // Someone else's image in the same state is left alone.
+    rbd::create(&ns.ioctx, "pvc-5", 4 << 20, &opts).unwrap();
+    ns.ioctx.remove("rbd_id.pvc-5").unwrap();
+    let e = delete_image(&c, &m, &NoFence, &vol("pvc-5"), "p.rbdkit.test", "pvc-5").unwrap_err();
+    assert!(matches!(e, VolumeError::NotOwned { .. }), "{e}");
+    assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec!["pvc-5"]);
+}
+
+/// A kill -9 inside `rbd_rename` of the temporary image, between its two
+/// writes: the final name's id object exists (so the final name opens) but
+/// the directory still lists only the temporary name. A retried create must
+/// finish the rename (its PV is made on the strength of it), and so must a
+/// delete.
+#[test]
+fn a_rename_cut_short_inside_librbd_is_finished_by_the_retry() {
+    let ns = TestNs::new("cutrename");
+    let m = metrics();
+    let c = cluster();
+    let vol = VolumeId {
+        cluster_id: "test".into(),
+        pool: POOL.into(),
+        rados_namespace: ns.name.clone(),
+        image: "pvc-6".into(),
+    };
+    let temp = format!("pvc-6{TEMP_SUFFIX}");
+    let opts = ImageOptions::new();
+    let cut_short = || {
+        ensure_image(&c, &m, &NoFence, &vol, 4 << 20, &opts, &owner("pvc-6")).unwrap();
+        // Back to the temporary name, then the first write of the rename.
+        rbd::rename(&ns.ioctx, "pvc-6", &temp).unwrap();
+        let id = ns.ioctx.read(&format!("rbd_id.{temp}"), 4096, 0).unwrap();
+        ns.ioctx.write_full("rbd_id.pvc-6", &id).unwrap();
+        Image::open_read_only(&ns.ioctx, "pvc-6").unwrap();
+        assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec![temp.clone()]);
+    };
+    cut_short();
+    assert_eq!(
+        ensure_image(&c, &m, &NoFence, &vol, 4 << 20, &opts, &owner("pvc-6")).unwrap(),
+        4 << 20
+    );
+    assert_eq!(rbd::list_names(&ns.ioctx).unwrap(), vec!["pvc-6"]);
+
+    assert_eq!(
+        delete_image(&c, &m, &NoFence, &vol, "p.rbdkit.test", "pvc-6").unwrap(),
+        Deleted::Removed
+    );
+    cut_short();
+    assert_eq!(
+        delete_image(&c, &m, &NoFence, &vol, "p.rbdkit.test", "pvc-6").unwrap(),
+        Deleted::Removed
+    );
+    assert!(rbd::list_names(&ns.ioctx).unwrap().is_empty());
+    let left: Vec<String> = ns
+        .ioctx
+        .list_objects()
+        .unwrap()
+        .into_iter()
+        .filter(|o| o.starts_with("rbd_header.") || o.starts_with("rbd_id."))
+        .collect();
+    assert!(left.is_empty(), "objects of the image left: {left:?}");
 }

@@ -364,6 +364,9 @@ fn ensure_image_steps(
     if let Some(existing) = open_if_exists(&io, metrics, &vol.image)? {
         check_owner(&existing, metrics, &owner.provisioner, &owner.pv_name)?;
         let current = timed(metrics, "size", || existing.size())?;
+        let id = timed(metrics, "id", || existing.id())?;
+        drop(existing);
+        finish_cut_short_rename(&io, metrics, fence, vol, &id)?;
         return Ok(current);
     }
     check_pool_quota(cluster, metrics, vol, size)?;
@@ -543,6 +546,10 @@ fn delete_image_steps(
                     Err(e) if e.kind() == ErrorKind::NotFound => {}
                     Err(e) => return Err(e.into()),
                 }
+            } else if let done @ (Deleted::Removed | Deleted::Purged) =
+                finish_cut_short_remove(&io, metrics, fence, name, &object, provisioner, pv_name)?
+            {
+                outcome = done;
             }
             continue;
         };
@@ -574,6 +581,10 @@ fn delete_image_steps(
                 image: name.to_owned(),
                 watchers: watchers.len(),
             });
+        }
+        if name != temp {
+            let id = timed(metrics, "id", || image.id())?;
+            finish_cut_short_rename(&io, metrics, fence, vol, &id)?;
         }
         drop(image);
         match crate::volume::snapshot::remove_or_trash(
@@ -615,6 +626,103 @@ fn delete_image_steps(
         }
     }
     Ok(outcome)
+}
+
+/// Finishes an `rbd_rename` of the temporary image killed between its two
+/// writes: librbd first writes the new name's id object, then renames the
+/// directory entry. Cut short in between, the final name opens (so the
+/// volume looked made and its PV was created) while the directory still
+/// lists only the temporary name, which then leaked. Only when the listed
+/// temporary name has the very id the final name opens (an image already
+/// proven ours): the stray id object goes and the rename is made again.
+fn finish_cut_short_rename(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    fence: &dyn Fence,
+    vol: &VolumeId,
+    id: &str,
+) -> Result<(), VolumeError> {
+    let temp = format!("{}{TEMP_SUFFIX}", vol.image);
+    let listed = timed(metrics, "list", || rbd::list(io))?;
+    if listed.iter().any(|s| s.name == vol.image)
+        || !listed.iter().any(|s| s.name == temp && s.id == id)
+    {
+        return Ok(());
+    }
+    let object = format!("{vol}{TEMP_SUFFIX}");
+    tracing::warn!(image = %vol, "finishing a rename cut short");
+    fenced(fence, "rados_remove", &object)?;
+    match timed(metrics, "remove", || {
+        io.remove(&format!("rbd_id.{}", vol.image))
+    }) {
+        Ok(()) => {}
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
+        Err(e) => return Err(e.into()),
+    }
+    fenced(fence, "rbd_rename", &object)?;
+    timed(metrics, "rename", || rbd::rename(io, &temp, &vol.image))?;
+    Ok(())
+}
+
+/// Finishes an `rbd_remove` killed part-way, which leaves an image that no
+/// longer opens by name. librbd removes through the trash: it adds a trash
+/// entry (marked "removing", which `rbd_trash_list` never shows), removes
+/// the image's id object, then its directory entry, then the image. Killed
+/// before the directory step, the name is still listed but does not open;
+/// killed after it, nothing shows at all. Either way the data stays, and
+/// treating the image as gone leaked it. `rbd_remove` on the name finishes
+/// both: still listed, only once its header (by id) is proven ours; not
+/// listed, librbd acts only on a trash entry of that name that an earlier
+/// `rbd_remove` marked as being removed.
+fn finish_cut_short_remove(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    fence: &dyn Fence,
+    name: &str,
+    object: &str,
+    provisioner: &str,
+    pv_name: &str,
+) -> Result<Deleted, VolumeError> {
+    let listed = timed(metrics, "list", || rbd::list(io))?;
+    if let Some(spec) = listed.iter().find(|s| s.name == name) {
+        // Fail closed: a listed image whose owner cannot be read stays,
+        // unless its header is known to be gone (librbd removes it after the
+        // data and before the listing): then nobody's data is left to guard.
+        match timed(metrics, "open", || {
+            Image::open_by_id_read_only(io, &spec.id)
+        }) {
+            Ok(img) => check_owner(&img, metrics, provisioner, pv_name)?,
+            Err(e) if e.kind() == ErrorKind::NotFound && header_gone(io, metrics, &spec.id) => {}
+            Err(e) => {
+                return Err(VolumeError::NotOwned {
+                    image: format!("{name} (id {})", spec.id),
+                    why: format!(
+                        "it is listed but does not open, and its owner cannot be checked: {e}"
+                    ),
+                })
+            }
+        }
+        tracing::warn!(image = object, "finishing a remove cut short");
+    }
+    fenced(fence, "rbd_remove", object)?;
+    match timed(metrics, "remove", || rbd::remove(io, name)) {
+        Ok(()) => Ok(Deleted::Removed),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(Deleted::AlreadyGone),
+        Err(e) if e.kind() == ErrorKind::Busy => Err(VolumeError::InUse {
+            image: name.to_owned(),
+            watchers: 0,
+        }),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// True only when `rados_stat` positively reports the image's header
+/// object missing; a timeout or a permission error is not an answer.
+fn header_gone(io: &IoCtx, metrics: &dyn CephObserver, id: &str) -> bool {
+    matches!(
+        timed(metrics, "stat", || io.stat(&format!("rbd_header.{id}"))),
+        Err(e) if e.kind() == ErrorKind::NotFound
+    )
 }
 
 pub(crate) fn has_snapshots_or_children(
@@ -752,6 +860,15 @@ pub fn recorded_pv_name(
         }
     };
     if let Some(image) = open_if_exists(&io, metrics, &vol.image)? {
+        return read(&image, &vol.image).map(Some);
+    }
+    // Listed but not openable by name: a remove cut short inside librbd
+    // (see [`finish_cut_short_remove`]); its header still opens by id.
+    let listed = timed(metrics, "list", || rbd::list(&io))?;
+    if let Some(spec) = listed.iter().find(|s| s.name == vol.image) {
+        let image = timed(metrics, "open", || {
+            Image::open_by_id_read_only(&io, &spec.id)
+        })?;
         return read(&image, &vol.image).map(Some);
     }
     let temp = format!("{}{TEMP_SUFFIX}", vol.image);
