@@ -322,10 +322,10 @@ class Provisioner:
     """`rbdkit provisioner` as its own process, default settings plus
     `extra`; its log goes to a file in `tmpdir`."""
 
-    def __init__(self, binary, kube, kubeconfig, clusters, ns, tmpdir, extra):
+    def __init__(self, binary, kube, kubeconfig, clusters, ns, tmpdir, extra, name=PROVISIONER):
         self.port = free_port()
         self.logf = open(Path(tmpdir, f"provisioner-{ns}.log"), "w")
-        cmd = [str(binary), "provisioner", "--name", PROVISIONER, "--clusters-config",
+        cmd = [str(binary), "provisioner", "--name", name, "--clusters-config",
                str(clusters), "--kubeconfig", str(kubeconfig), "--http-addr",
                f"127.0.0.1:{self.port}", "--leader-election-namespace", ns, *extra]
         self.p = subprocess.Popen(cmd, stdout=self.logf, stderr=subprocess.STDOUT,

@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import node  # noqa: E402 - bench/node.py, next to this file
 import burst  # noqa: E402 - bench/burst.py
+import snapshot  # noqa: E402 - bench/snapshot.py
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -76,6 +77,11 @@ FULL = {
     "burst_claims": 500,
     "burst_rounds": 1,
     "burst_rss_pvs": 1000,
+    # Snapshots and restores (bench/snapshot.py): the source claim's size,
+    # the bytes written into it, rounds.
+    "snapshot_image_bytes": 10 * GiB,
+    "snapshot_written_bytes": 1 * GiB,
+    "snapshot_rounds": 10,
 }
 
 SMOKE = {
@@ -105,9 +111,15 @@ SMOKE = {
     "burst_claims": 20,
     "burst_rounds": 1,
     "burst_rss_pvs": 40,
+    "snapshot_image_bytes": 256 * MiB,
+    "snapshot_written_bytes": 16 * MiB,
+    "snapshot_rounds": 1,
 }
 
-ALL_SECTIONS = ["control", "concurrency", "data", "node", "burst"]
+ALL_SECTIONS = ["control", "concurrency", "data", "node", "burst", "snapshot"]
+# Kubernetes and the provisioner, not the Ceph release: not run by default
+# inside a scripts/ceph-release root.
+K8S_SECTIONS = {"burst", "snapshot"}
 IMAGE_BYTES = 1 * GiB  # control-path images (thin: nothing is written)
 RUN_TIMEOUT = 600  # seconds for any one contender process
 
@@ -620,6 +632,8 @@ def summarize(results):
     if results.get("burst"):
         s["burst"], burst_targets = burst.summarize(results["burst"], spread, med, target)
         targets += burst_targets
+    if results.get("snapshot"):
+        s["snapshot"] = snapshot.summarize(results["snapshot"], spread, med)
     s["targets"] = targets
     return s
 
@@ -928,6 +942,7 @@ def render(results, summary, cfg, mode):
 
     L += node.render(results, summary, cfg, fmt_ratio, fmt_num)
     L += burst.render(results, summary, cfg, fmt_ratio, fmt_num)
+    L += snapshot.render(results, summary, cfg, fmt_ratio, fmt_num)
 
     if results.get("errors"):
         L.append("## Failures in this run")
@@ -960,10 +975,10 @@ def main():
     # Inside a scripts/ceph-release root the burst (Kubernetes and the
     # provisioner, not the Ceph release) is not part of the default run.
     in_root = os.environ.get("RBDKIT_CEPH_RELEASE", "pacific") != "pacific"
-    default_sections = [x for x in ALL_SECTIONS if not (in_root and x == "burst")]
+    default_sections = [x for x in ALL_SECTIONS if not (in_root and x in K8S_SECTIONS)]
     ap.add_argument("--only", default=",".join(default_sections),
                     help="comma-separated sections to run (default: all; in a ceph-release "
-                         "root all but burst)")
+                         "root all but burst and snapshot)")
     ap.add_argument("--no-write", action="store_true",
                     help="full run, but print the table instead of writing BENCHMARKS.md")
     ap.add_argument("--render", action="store_true",
@@ -1000,7 +1015,7 @@ def main():
             goceph_bin = build_goceph()
         if "node" in sections:
             mapper_bin = build_mapper(args.smoke)
-        if "burst" in sections:
+        if set(sections) & K8S_SECTIONS:
             provisioner_bin = build_mapper(args.smoke)
     except (subprocess.CalledProcessError, OSError) as e:
         log(f"building the contenders failed: {e}")
@@ -1023,6 +1038,9 @@ def main():
                                                 settle)
         if "burst" in sections:
             results["burst"] = burst.section_burst(c, cfg, errors, tag, provisioner_bin, POOL)
+        if "snapshot" in sections:
+            results["snapshot"] = snapshot.section_snapshot(c, cfg, errors, tag, provisioner_bin,
+                                                            POOL)
     results["machine"] = machine_info()
     results["elapsed_s"] = time.perf_counter() - start
     summary = summarize(results)

@@ -3,7 +3,8 @@
 //! record, a temporary image without one, a foreign trash entry), images
 //! owned by the provisioner and referenced by PVs or by a claim being
 //! provisioned, and owned leftovers (orphans, a temporary image, a trash
-//! entry). The dry run lists exactly the leftovers and changes nothing;
+//! entry, a temporary `rbdkit-tmp-` snapshot on an image still in use). The
+//! dry run lists exactly the leftovers and changes nothing;
 //! `--apply` removes exactly them; a second `--apply` finds nothing.
 #![cfg(feature = "service")]
 
@@ -226,6 +227,32 @@ async fn gc_lists_and_removes_exactly_the_provisioners_leftovers() {
     image_with(&env, "pvc-foreign-trash", &[]);
     trash(&env, "pvc-foreign-trash");
 
+    // Temporary snapshots (a killed snapshot or clone create leaves one on
+    // its source). A leftover on an image still in use; kept: one for the
+    // claim still being provisioned, one whose clone is being made (its
+    // `.rbdkit-new` image exists), a user's snapshot, and one on a foreign
+    // image.
+    let snap = |image: &str, name: &str| {
+        Image::open(&env.rbd.ioctx, image)
+            .unwrap()
+            .snap_create(name)
+            .unwrap_or_else(|e| panic!("snapshot {image}@{name}: {e}"));
+    };
+    snap(&bound[0], "rbdkit-tmp-pvc-gone");
+    snap(&bound[0], "user-snap");
+    snap(&bound[0], "rbdkit-tmp-pvc-bare");
+    snap(&bound[1], &format!("rbdkit-tmp-{in_flight}"));
+    snap("pvc-plain", "rbdkit-tmp-pvc-gone");
+    let snaps = |image: &str| -> BTreeSet<String> {
+        Image::open_read_only(&env.rbd.ioctx, image)
+            .unwrap()
+            .snap_list()
+            .unwrap()
+            .into_iter()
+            .map(|s| s.name)
+            .collect()
+    };
+
     let mut kept_images = set(&[
         &bound[0],
         &bound[1],
@@ -254,27 +281,46 @@ async fn gc_lists_and_removes_exactly_the_provisioners_leftovers() {
             ("orphan", "pvc-orphan-2"),
             ("temp", "pvc-temp.rbdkit-new"),
             ("trash", "pvc-trashed"),
+            ("tempsnap", bound[0].as_str()),
         ]
         .iter()
         .map(|(k, n)| (k.to_string(), n.to_string(), action.to_owned()))
         .collect()
     };
     assert_eq!(objects(&report), want("would remove"), "{report:#}");
-    assert_eq!(report["summary"]["referenced"], json!(3), "{report:#}");
+    let tempsnap: Vec<_> = report["objects"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|o| o["kind"] == "tempsnap")
+        .collect();
+    assert_eq!(tempsnap[0]["snapshot"], "rbdkit-tmp-pvc-gone", "{report:#}");
+    assert_eq!(tempsnap[0]["pv"], "pvc-gone", "{report:#}");
+    // The three claims' images, and the in-flight claim's snapshot.
+    assert_eq!(report["summary"]["referenced"], json!(4), "{report:#}");
+    assert_eq!(report["summary"]["tempsnap"], json!(1), "{report:#}");
     assert_eq!(report["summary"]["foreign"], json!(6), "{report:#}");
     assert_eq!(report["errors"], json!([]), "{report:#}");
     assert_eq!(pool_state(&env), before, "a dry run changed the pool");
+    let snaps_before = snaps(&bound[0]);
+    assert!(snaps_before.contains("rbdkit-tmp-pvc-gone"));
 
     // The text report: one line per object, then the summary.
     let (_, text, _) = gc(&env, &[]);
     let lines: Vec<&str> = text.lines().collect();
-    assert_eq!(lines.len(), 5, "{text}");
+    assert_eq!(lines.len(), 6, "{text}");
     assert!(
-        lines[..4].iter().all(|l| l.ends_with("would remove")),
+        lines[..5].iter().all(|l| l.ends_with("would remove")),
         "{text}"
     );
     assert!(
-        lines[4].starts_with("summary: 1 pool(s) scanned; 4 to collect"),
+        lines
+            .iter()
+            .any(|l| l.starts_with("tempsnap ") && l.contains("@rbdkit-tmp-pvc-gone ")),
+        "{text}"
+    );
+    assert!(
+        lines[5].starts_with("summary: 1 pool(s) scanned; 5 to collect"),
         "{text}"
     );
 
@@ -291,23 +337,40 @@ async fn gc_lists_and_removes_exactly_the_provisioners_leftovers() {
     assert_eq!(meta("pvc-plain").len(), 0);
     assert_eq!(meta("pvc-other")[META_PROVISIONER], "other.rbdkit.test");
     assert_eq!(meta(&bound[0])[META_PROVISIONER], env.name);
+    // Only the leftover snapshot went.
+    assert_eq!(
+        snaps(&bound[0]),
+        set(&["user-snap", "rbdkit-tmp-pvc-bare"]),
+        "snapshots after --apply"
+    );
+    assert_eq!(snaps(&bound[1]), set(&[&format!("rbdkit-tmp-{in_flight}")]));
+    assert_eq!(snaps("pvc-plain"), set(&["rbdkit-tmp-pvc-gone"]));
 
     // 3. A second apply finds nothing.
     let (report, _, _) = gc(&env, &["--apply", "--output", "json"]);
     assert_eq!(objects(&report), BTreeSet::new(), "{report:#}");
     assert_eq!(pool_state(&env), after);
 
-    // Once its claim is gone, the in-flight image is a leftover too.
+    // Once its claim is gone, the in-flight image is a leftover too, and
+    // so is the temporary snapshot taken for it.
     env.delete_claim("pending").await;
     env.wait_gone(&env.claims(), "pending").await;
     let (report, _, _) = gc(&env, &["--apply", "--output", "json"]);
     assert_eq!(
         objects(&report),
-        [("orphan".to_owned(), in_flight.clone(), "removed".to_owned())]
-            .into_iter()
-            .collect(),
+        [
+            ("orphan".to_owned(), in_flight.clone(), "removed".to_owned()),
+            (
+                "tempsnap".to_owned(),
+                bound[1].clone(),
+                "removed".to_owned()
+            ),
+        ]
+        .into_iter()
+        .collect(),
         "{report:#}"
     );
     kept_images.remove(&in_flight);
     assert_eq!(pool_state(&env).0, kept_images);
+    assert_eq!(snaps(&bound[1]), BTreeSet::new());
 }

@@ -1,7 +1,7 @@
 //! `rbdkit gc`: lists (and with `--apply` removes) the images, temporary
-//! images and trash entries a provisioner owns that no PV or claim refers
-//! to. The Ceph side is [`crate::volume::gc`]; this is the Kubernetes side
-//! and the report.
+//! images, trash entries and temporary snapshots a provisioner owns that no
+//! PV or claim refers to. The Ceph side is [`crate::volume::gc`]; this is
+//! the Kubernetes side and the report.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -403,9 +403,13 @@ pub async fn run_gc(args: GcArgs) -> anyhow::Result<()> {
         GcOutput::Text => {
             for l in &lines {
                 let o = &l.object;
+                let what = match &o.snap {
+                    Some(snap) => format!("{}@{snap}", o.volume),
+                    None => o.volume.to_string(),
+                };
                 let mut line = format!(
-                    "{:<6} {}  id={} pv={} claim={}  {}",
-                    o.kind, o.volume, o.image_id, o.pv_name, o.claim, l.action
+                    "{:<6} {what}  id={} pv={} claim={}  {}",
+                    o.kind, o.image_id, o.pv_name, o.claim, l.action
                 );
                 if let Some(e) = &l.error {
                     line.push_str(&format!(": {e}"));
@@ -416,12 +420,13 @@ pub async fn run_gc(args: GcArgs) -> anyhow::Result<()> {
                 println!("error  {p}");
             }
             println!(
-                "summary: {} pool(s) scanned; {} to collect ({} orphan, {} temp, {} trash); {} removed, {} failed; {} owned and still referenced; {} foreign left alone; {} error(s){}",
+                "summary: {} pool(s) scanned; {} to collect ({} orphan, {} temp, {} trash, {} tempsnap); {} removed, {} failed; {} owned and still referenced; {} foreign left alone; {} error(s){}",
                 scanned.len(),
                 lines.len(),
                 count(Kind::Orphan),
                 count(Kind::Temp),
                 count(Kind::Trash),
+                count(Kind::TempSnap),
                 removed,
                 failed,
                 referenced,
@@ -441,6 +446,7 @@ pub async fn run_gc(args: GcArgs) -> anyhow::Result<()> {
                         "pool": o.volume.pool,
                         "namespace": o.volume.rados_namespace,
                         "name": o.volume.image,
+                        "snapshot": o.snap,
                         "image_id": o.image_id,
                         "pv": o.pv_name,
                         "claim": o.claim,
@@ -461,6 +467,7 @@ pub async fn run_gc(args: GcArgs) -> anyhow::Result<()> {
                         "orphan": count(Kind::Orphan),
                         "temp": count(Kind::Temp),
                         "trash": count(Kind::Trash),
+                        "tempsnap": count(Kind::TempSnap),
                         "removed": removed,
                         "failed": failed,
                         "referenced": referenced,

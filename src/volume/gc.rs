@@ -9,6 +9,13 @@
 //! touched: not even a temporary image without one, although the
 //! provisioner itself cleans those up for its own claims.
 //!
+//! A temporary RBD snapshot (`rbdkit-tmp-<new image>`, taken on a source
+//! for a snapshot image or a PVC clone) that a killed create left on one of
+//! the provisioner's images is a leftover too, even when the image itself
+//! is still in use: it is ours by its name and the image's owner record,
+//! and it is left alone while the image it was for is still being made (its
+//! temporary image exists) or a claim or PV of that name exists.
+//!
 //! Nothing here knows about Kubernetes: the caller passes the references it
 //! found (the CLI, `rbdkit gc`, lists PVs and claims).
 
@@ -22,12 +29,17 @@ use crate::volume::ops::{
     VolumeError, META_CLUSTER, META_PROVISIONER, META_PV, META_PVC_NAME, META_PVC_NAMESPACE,
     TEMP_SUFFIX,
 };
+use crate::volume::snapshot::TEMP_SNAP_PREFIX;
 use crate::volume::VolumeId;
 use crate::ErrorKind;
 
 /// What kind of leftover an object is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Kind {
+    /// A temporary `rbdkit-tmp-` RBD snapshot on one of our images (a
+    /// snapshot or clone create cut short). First, so that it goes before
+    /// the image it is on, when both are collected.
+    TempSnap,
     /// A finished image (its PV is gone).
     Orphan,
     /// A temporary `.rbdkit-new` image (a create cut short).
@@ -42,6 +54,7 @@ impl fmt::Display for Kind {
             Kind::Orphan => "orphan",
             Kind::Temp => "temp",
             Kind::Trash => "trash",
+            Kind::TempSnap => "tempsnap",
         })
     }
 }
@@ -49,16 +62,21 @@ impl fmt::Display for Kind {
 /// An object whose owner record names the provisioner.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Owned {
-    /// Image, temporary image or trash entry.
+    /// Image, temporary image, trash entry or temporary snapshot.
     pub kind: Kind,
-    /// Where it is; `image` is the image's (or trash entry's) name.
+    /// Where it is; `image` is the image's (or trash entry's) name; for a
+    /// temporary snapshot, the image it is on.
     pub volume: VolumeId,
     /// The image id (for a trash entry, the id it is listed under).
     pub image_id: String,
-    /// The PV recorded as its owner.
+    /// The PV recorded as its owner; for a temporary snapshot, the image
+    /// (and PV) it was taken for.
     pub pv_name: String,
-    /// The claim recorded as its owner, `namespace/name`.
+    /// The claim recorded as its owner, `namespace/name` (for a temporary
+    /// snapshot, the owner of the image it is on).
     pub claim: String,
+    /// The temporary snapshot's name (only for [`Kind::TempSnap`]).
+    pub snap: Option<String>,
 }
 
 impl Owned {
@@ -71,6 +89,7 @@ impl Owned {
                 .image
                 .strip_suffix(TEMP_SUFFIX)
                 .unwrap_or(&self.volume.image),
+            Kind::TempSnap => &self.pv_name,
             _ => &self.volume.image,
         }
     }
@@ -159,8 +178,11 @@ pub fn scan(
         image: image.to_owned(),
     };
     let mut out = Scan::default();
-    for name in rbd::list_names(&io)? {
-        let img = match Image::open_read_only(&io, &name) {
+    let names = rbd::list_names(&io)?;
+    let present: HashSet<&str> = names.iter().map(String::as_str).collect();
+    for name in &names {
+        let name = name.as_str();
+        let img = match Image::open_read_only(&io, name) {
             Ok(i) => i,
             Err(e) if e.kind() == ErrorKind::NotFound => continue,
             Err(e) => {
@@ -185,12 +207,37 @@ pub fn scan(
         } else {
             Kind::Orphan
         };
+        match img.snap_list() {
+            Ok(snaps) => {
+                for snap in snaps {
+                    let Some(target) = snap.name.strip_prefix(TEMP_SNAP_PREFIX) else {
+                        continue;
+                    };
+                    // A create still under way: its clone is being made.
+                    if target.is_empty()
+                        || present.contains(format!("{target}{TEMP_SUFFIX}").as_str())
+                    {
+                        continue;
+                    }
+                    out.owned.push(Owned {
+                        kind: Kind::TempSnap,
+                        volume: at(name),
+                        image_id: id.clone(),
+                        pv_name: target.to_owned(),
+                        claim: claim.clone(),
+                        snap: Some(snap.name.clone()),
+                    });
+                }
+            }
+            Err(e) => out.unreadable.push(e.to_string()),
+        }
         out.owned.push(Owned {
             kind,
-            volume: at(&name),
+            volume: at(name),
             image_id: id,
             pv_name,
             claim,
+            snap: None,
         });
     }
     for entry in rbd::trash_list(&io)? {
@@ -213,6 +260,7 @@ pub fn scan(
             image_id: entry.id,
             pv_name,
             claim,
+            snap: None,
         });
     }
     Ok(out)
@@ -225,7 +273,7 @@ pub fn select(owned: &[Owned], refs: &References) -> Vec<Owned> {
         .filter(|o| !refs.refers_to(o))
         .cloned()
         .collect();
-    out.sort_by(|a, b| (&a.volume.image, a.kind).cmp(&(&b.volume.image, b.kind)));
+    out.sort_by(|a, b| (&a.volume.image, a.kind, &a.snap).cmp(&(&b.volume.image, b.kind, &b.snap)));
     out
 }
 
@@ -238,11 +286,13 @@ pub enum Removed {
     AlreadyGone,
 }
 
-/// Checks that what is there now is still `o`, with the same owner record.
+/// Checks that what is there now is still `o`, with the same owner record
+/// (for a temporary snapshot: any owner record of ours on its image).
 fn recheck(image: &Image, o: &Owned, provisioner: &str) -> Result<(), VolumeError> {
     let meta = image.metadata_list()?;
     let what = format!("{} ({})", o.volume, o.kind);
     match owner_of(&meta, provisioner, &o.volume.cluster_id) {
+        Some(_) if o.kind == Kind::TempSnap => Ok(()),
         Some((pv, _)) if pv == o.pv_name => Ok(()),
         Some((pv, _)) => Err(VolumeError::NotOwned {
             image: what,
@@ -259,7 +309,10 @@ fn recheck(image: &Image, o: &Owned, provisioner: &str) -> Result<(), VolumeErro
 /// same image id, an owner record of `provisioner` for the same PV, and (for
 /// an image) no watchers. Idempotent: a second call reports
 /// [`Removed::AlreadyGone`]. An image with snapshots or clones is not
-/// forced: that is a [`VolumeError::PurgeBlocked`] error. The removal stops
+/// forced: that is a [`VolumeError::PurgeBlocked`] error. A temporary
+/// snapshot is removed with `rbd_snap_remove` (one with clones moves to the
+/// snapshot trash namespace, as the provisioner's own cleanup does), unless
+/// the clone it was for is being made again by then. The removal stops
 /// at `deadline` (`rbd_remove_with_progress`,
 /// `rbd_trash_remove_with_progress`); a later call finishes it.
 pub fn remove(
@@ -274,6 +327,45 @@ pub fn remove(
         why: format!("{e}; it has snapshots or clones, which gc leaves to you"),
     };
     match o.kind {
+        Kind::TempSnap => {
+            let snap = o.snap.as_deref().unwrap_or_default();
+            if !snap.starts_with(TEMP_SNAP_PREFIX) {
+                return Err(VolumeError::NotOwned {
+                    image: format!("{}@{snap}", o.volume),
+                    why: format!("not a {TEMP_SNAP_PREFIX} snapshot"),
+                });
+            }
+            let image = match Image::open(&io, &o.volume.image) {
+                Ok(i) => i,
+                Err(e) if e.kind() == ErrorKind::NotFound => return Ok(Removed::AlreadyGone),
+                Err(e) => return Err(e.into()),
+            };
+            if image.id()? != o.image_id {
+                return Err(VolumeError::NotOwned {
+                    image: o.volume.to_string(),
+                    why: "it was replaced by another image since the scan".into(),
+                });
+            }
+            recheck(&image, o, provisioner)?;
+            let temp = format!("{}{TEMP_SUFFIX}", o.pv_name);
+            match Image::open_read_only(&io, &temp) {
+                Ok(_) => {
+                    return Err(VolumeError::Refused {
+                        why: format!(
+                            "{}@{snap}: its clone {temp} is being made again; left alone",
+                            o.volume
+                        ),
+                    })
+                }
+                Err(e) if e.kind() == ErrorKind::NotFound => {}
+                Err(e) => return Err(e.into()),
+            }
+            match image.snap_remove(snap) {
+                Ok(()) => Ok(Removed::Removed),
+                Err(e) if e.kind() == ErrorKind::NotFound => Ok(Removed::AlreadyGone),
+                Err(e) => Err(e.into()),
+            }
+        }
         Kind::Orphan | Kind::Temp => {
             let image = match Image::open_read_only(&io, &o.volume.image) {
                 Ok(i) => i,
@@ -354,6 +446,7 @@ mod tests {
             image_id: "id".into(),
             pv_name: pv.into(),
             claim: "ns/c".into(),
+            snap: None,
         }
     }
 
