@@ -60,13 +60,17 @@ impl ConnectArgs {
             o = o.keyring(k);
         }
         if let Some(f) = &self.keyfile {
-            let key = std::fs::read_to_string(f).map_err(|e| {
-                Error::invalid("read keyfile", f.display().to_string(), e.to_string())
-            })?;
-            o = o.key(Secret::new(key.trim()));
+            o = o.key(read_keyfile(f)?);
         }
         o.connect()
     }
+}
+
+/// The cephx key in `--keyfile` FILE (surrounding white space trimmed).
+pub(crate) fn read_keyfile(f: &std::path::Path) -> Result<Secret> {
+    let key = std::fs::read_to_string(f)
+        .map_err(|e| Error::invalid("read keyfile", f.display().to_string(), e.to_string()))?;
+    Ok(Secret::new(key.trim()))
 }
 
 /// `rbdkit image ...`.

@@ -19,7 +19,7 @@ use rbdkit::rbd;
 use rbdkit::volume::ops::TEMP_SUFFIX;
 
 use support::k8s::ControlPlane;
-use support::provisioner::{eventually, http_get, Env, WAIT};
+use support::provisioner::{eventually, wait_readyz, Env, WAIT};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn apiserver_restart_mid_run_resumes_without_duplicates() {
@@ -96,13 +96,7 @@ async fn apiserver_restart_mid_run_resumes_without_duplicates() {
         "lease holder {:?}, transitions {:?}",
         lease.holder_identity, lease.lease_transitions
     );
-    eventually("/readyz ok", WAIT, || async {
-        match http_get(http, "/readyz").await {
-            (200, b) if b == "ok" => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
+    wait_readyz(http, "/readyz ok", |b| b == "ok").await;
     assert_eq!(child.pid(), pid, "rbdkit was restarted");
     assert!(child.running(), "{}", child.log_tail());
 

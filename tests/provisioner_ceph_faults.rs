@@ -18,13 +18,15 @@ use kube::api::{ListParams, PostParams};
 use kube::Api;
 use serde_json::json;
 
-use rbdkit::k8s::quantity::{parse_bytes, MIB};
+use rbdkit::k8s::quantity::MIB;
 use rbdkit::provisioner::controller::CLAIM_FINALIZER;
 use rbdkit::rados::Cluster;
 use rbdkit::rbd;
 
 use support::ceph::{PrivateCluster, POOL};
-use support::provisioner::{eventually, from_json, http_get, ChildProvisioner, Env, WAIT};
+use support::provisioner::{
+    eventually, from_json, http_get, pv_bytes, wait_readyz, ChildProvisioner, Env, WAIT,
+};
 
 /// `--ceph-op-timeout` of the provisioner under test (the fixture's).
 const OP_TIMEOUT: Duration = Duration::from_secs(5);
@@ -178,15 +180,6 @@ impl World {
     }
 }
 
-fn capacity(pv: &PersistentVolume) -> u64 {
-    pv.spec
-        .as_ref()
-        .and_then(|s| s.capacity.as_ref())
-        .and_then(|c| c.get("storage"))
-        .and_then(|q| parse_bytes(&q.0).ok())
-        .unwrap_or(0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn osd_stopped_mid_run_times_out_reports_degraded_and_recovers() {
     let mut w = World::new("osdfault").await;
@@ -225,11 +218,8 @@ async fn osd_stopped_mid_run_times_out_reports_degraded_and_recovers() {
         .await;
     env.wait_event(&del_pv, "VolumeFailedDelete", &["ETIMEDOUT"])
         .await;
-    let body = eventually("/readyz to report the cluster degraded", WAIT, || async {
-        match w.readyz().await {
-            (200, b) if b.starts_with("degraded") && b.contains(&w.cluster_id) => Ok(b),
-            other => Err(format!("{other:?}")),
-        }
+    let body = wait_readyz(w.http, "/readyz to report the cluster degraded", |b| {
+        b.starts_with("degraded") && b.contains(&w.cluster_id)
     })
     .await;
     eprintln!("/readyz with the OSD down: {body}");
@@ -243,21 +233,15 @@ async fn osd_stopped_mid_run_times_out_reports_degraded_and_recovers() {
     env.wait_gone(&env.pvs(), &del_pv).await;
     let grown = eventually("grow's PV at 16Mi", WAIT, || async {
         let (_, pv) = env.wait_bound("grow").await;
-        if capacity(&pv) == 16 * MIB {
+        if pv_bytes(&pv) == 16 * MIB {
             Ok(pv)
         } else {
-            Err(format!("capacity {}", capacity(&pv)))
+            Err(format!("capacity {}", pv_bytes(&pv)))
         }
     })
     .await;
     eprintln!("all done {:?} after the OSD came back", t1.elapsed());
-    eventually("/readyz ok again", WAIT, || async {
-        match w.readyz().await {
-            (200, b) if b == "ok" => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
+    wait_readyz(w.http, "/readyz ok again", |b| b == "ok").await;
     assert_eq!(w.child.pid(), pid);
     assert!(w.child.running(), "{}", w.child.log_tail());
     let c = w.ceph.connect();

@@ -19,7 +19,7 @@ use rbdkit::rbd::{self, Image};
 
 use support::data::pattern;
 use support::k8s::ControlPlane;
-use support::provisioner::{claim_name, eventually, from_json, stays, Env, WAIT};
+use support::provisioner::{claim_name, eventually, from_json, stays, storage, Env, WAIT};
 use support::snapshots::{self as snaps, SnapshotController};
 
 const BLOCK: &str = "Block";
@@ -88,16 +88,6 @@ fn has_parent(env: &Env, image: &str) -> bool {
         .is_some()
 }
 
-async fn finalizers(env: &Env, claim: &str) -> Vec<String> {
-    env.claims()
-        .get(claim)
-        .await
-        .expect("get claim")
-        .metadata
-        .finalizers
-        .unwrap_or_default()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clone_has_the_data_a_bigger_size_and_outlives_its_source() {
     let mut env = Env::new("clone").await;
@@ -110,19 +100,8 @@ async fn a_clone_has_the_data_a_bigger_size_and_outlives_its_source() {
     let (claim, pv) = env.wait_bound("copy").await;
     eprintln!("clone claim create -> Bound took {:?}", t0.elapsed());
     let copy = pv.metadata.name.clone().unwrap();
-    let capacity = |q: &Option<std::collections::BTreeMap<String, _>>| {
-        q.as_ref()
-            .and_then(
-                |m: &std::collections::BTreeMap<
-                    String,
-                    k8s_openapi::apimachinery::pkg::api::resource::Quantity,
-                >| m.get("storage"),
-            )
-            .map(|q| q.0.clone())
-            .unwrap_or_default()
-    };
-    assert_eq!(capacity(&pv.spec.as_ref().unwrap().capacity), "16Mi");
-    assert_eq!(capacity(&claim.status.as_ref().unwrap().capacity), "16Mi");
+    assert_eq!(storage(&pv.spec.as_ref().unwrap().capacity), "16Mi");
+    assert_eq!(storage(&claim.status.as_ref().unwrap().capacity), "16Mi");
     assert_eq!(size_of(&env, &copy), 16 * MIB);
     assert_eq!(first_mib(&env, &copy), pattern(11, MIB as usize));
     assert!(has_parent(&env, &copy), "a clone, not a copy");
@@ -146,7 +125,7 @@ async fn a_clone_has_the_data_a_bigger_size_and_outlives_its_source() {
         "the source claim to lose the clone finalizer",
         WAIT,
         || async {
-            let f = finalizers(&env, "src").await;
+            let f = env.claim_finalizers("src").await;
             if f.iter().any(|f| f == CLONE_FINALIZER) {
                 Err(format!("{f:?}"))
             } else {
@@ -230,7 +209,7 @@ async fn a_source_in_another_pool_is_refused_with_both_named() {
     .await;
     stays("no clone made", Duration::from_secs(2), || async {
         let n = env.images().len();
-        let f = finalizers(&env, "src").await;
+        let f = env.claim_finalizers("src").await;
         if n == 1 && !f.iter().any(|f| f == CLONE_FINALIZER) {
             Ok(())
         } else {
@@ -365,14 +344,7 @@ async fn killed_during_a_clone_and_restarted_leaves_one_clone_and_no_leak() {
             )
         };
         p.kill9();
-        let phase = env
-            .claims()
-            .get("copy")
-            .await
-            .unwrap()
-            .status
-            .and_then(|s| s.phase)
-            .unwrap_or_default();
+        let phase = env.claim_phase("copy").await;
         stages.push(format!("round {round}: {seen}; claim {phase}"));
         p = env.start_process("clonecrash");
     }
@@ -386,7 +358,7 @@ async fn killed_during_a_clone_and_restarted_leaves_one_clone_and_no_leak() {
         want.sort();
         let snaps = env.user_snaps(&src);
         let t = env.trash();
-        let f = finalizers(&env, "src").await;
+        let f = env.claim_finalizers("src").await;
         if images == want
             && snaps.is_empty()
             && t.is_empty()
@@ -422,16 +394,6 @@ async fn restore_claim(env: &Env, name: &str, class: &str, size: &str, snapshot:
     claim_from(env, name, class, size, "dataSourceRef", ds).await;
 }
 
-async fn phase(env: &Env, claim: &str) -> String {
-    env.claims()
-        .get(claim)
-        .await
-        .expect("get claim")
-        .status
-        .and_then(|s| s.phase)
-        .unwrap_or_default()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restores_have_the_snapshot_data_and_wait_for_a_snapshot_not_ready() {
     SnapshotController::shared(ControlPlane::shared()).await;
@@ -464,7 +426,7 @@ async fn restores_have_the_snapshot_data_and_wait_for_a_snapshot_not_ready() {
     eprintln!("restore claim create -> Bound took {:?}", t0.elapsed());
     let restored = pv.metadata.name.clone().unwrap();
     assert_eq!(size_of(&env, &restored), 12 * MIB);
-    assert_eq!(claim.status.unwrap().capacity.unwrap()["storage"].0, "12Mi");
+    assert_eq!(storage(&claim.status.unwrap().capacity), "12Mi");
     assert_eq!(first_mib(&env, &restored), pattern(41, MIB as usize));
     assert_eq!(first_mib(&env, &src), pattern(42, MIB as usize));
 
@@ -492,7 +454,7 @@ async fn restores_have_the_snapshot_data_and_wait_for_a_snapshot_not_ready() {
         "nothing restored while not ready",
         Duration::from_secs(2),
         || async {
-            let (images, p) = (env.images(), phase(&env, "from-early").await);
+            let (images, p) = (env.images(), env.claim_phase("from-early").await);
             if images == before && p == "Pending" {
                 Ok(())
             } else {

@@ -15,7 +15,7 @@ use kube::api::PostParams;
 use kube::Api;
 use serde_json::json;
 
-use support::provisioner::{eventually, from_json, http_get, Env, WAIT};
+use support::provisioner::{from_json, http_get, wait_readyz, Env};
 
 /// A second throwaway cluster, removed on drop.
 struct Second {
@@ -194,11 +194,8 @@ async fn a_cluster_gone_away_costs_no_cpu_and_comes_back_on_demand() {
         .await;
 
     second.stop_mon();
-    let body = eventually("/readyz to name both clusters", WAIT, || async {
-        match http_get(http, "/readyz").await {
-            (200, b) if b.contains(&stopped_id) && b.contains(&dead_id) => Ok(b),
-            other => Err(format!("{other:?}")),
-        }
+    let body = wait_readyz(http, "/readyz to name both clusters", |b| {
+        b.contains(&stopped_id) && b.contains(&dead_id)
     })
     .await;
     assert!(body.starts_with("degraded"), "{body}");
@@ -232,16 +229,9 @@ async fn a_cluster_gone_away_costs_no_cpu_and_comes_back_on_demand() {
 
     // The monitor comes back: the same process provisions on it again.
     second.start_mon();
-    eventually(
-        "/readyz to stop naming the second cluster",
-        WAIT,
-        || async {
-            match http_get(http, "/readyz").await {
-                (200, b) if !b.contains(&stopped_id) && b.contains(&dead_id) => Ok(()),
-                other => Err(format!("{other:?}")),
-            }
-        },
-    )
+    wait_readyz(http, "/readyz to stop naming the second cluster", |b| {
+        !b.contains(&stopped_id) && b.contains(&dead_id)
+    })
     .await;
     env.claim("again", &on_second, "8Mi", &["ReadWriteOnce"], "Filesystem")
         .await;

@@ -18,16 +18,7 @@ use rbdkit::provisioner::pv::{PROVISIONED_BY, PV_FINALIZER};
 use rbdkit::rbd::{self, Features, Image};
 use rbdkit::volume::VolumeId;
 
-use support::provisioner::{claim_name, eventually, http_get, stays, Env, WAIT};
-
-fn quantity(
-    q: &Option<BTreeMap<String, k8s_openapi::apimachinery::pkg::api::resource::Quantity>>,
-) -> String {
-    q.as_ref()
-        .and_then(|m| m.get("storage"))
-        .map(|q| q.0.clone())
-        .unwrap_or_default()
-}
+use support::provisioner::{claim_name, eventually, http_get, stays, storage, Env, WAIT};
 
 fn image_size(env: &Env, name: &str) -> u64 {
     Image::open_read_only(&env.rbd.ioctx, name)
@@ -66,7 +57,7 @@ async fn provisions_a_claim_and_deletes_it_with_its_image() {
         .unwrap()
         .contains(&PV_FINALIZER.to_owned()));
     let spec = pv.spec.clone().unwrap();
-    assert_eq!(quantity(&spec.capacity), "15Mi");
+    assert_eq!(storage(&spec.capacity), "15Mi");
     assert_eq!(spec.access_modes, Some(vec!["ReadWriteOnce".to_owned()]));
     assert_eq!(spec.volume_mode.as_deref(), Some("Filesystem"));
     assert_eq!(
@@ -213,7 +204,7 @@ async fn expansion_grows_the_image_and_the_pv() {
     for (pv, want) in [(&fs_pv, "20Mi"), (&blk_pv, "30Mi")] {
         eventually(&format!("PV {pv} at {want}"), WAIT, || async {
             let p = pvs.get(pv).await.map_err(|e| e.to_string())?;
-            let cap = quantity(&p.spec.as_ref().unwrap().capacity);
+            let cap = storage(&p.spec.as_ref().unwrap().capacity);
             if cap == want {
                 Ok(())
             } else {
@@ -246,9 +237,9 @@ async fn expansion_grows_the_image_and_the_pv() {
         }
     })
     .await;
-    assert_eq!(quantity(&fs.allocated_resources), "20Mi");
+    assert_eq!(storage(&fs.allocated_resources), "20Mi");
     assert_eq!(
-        quantity(&fs.capacity),
+        storage(&fs.capacity),
         "10Mi",
         "the node has not grown it yet"
     );
@@ -262,7 +253,7 @@ async fn expansion_grows_the_image_and_the_pv() {
             .conditions
             .as_ref()
             .is_some_and(|cs| cs.iter().any(|c| c.type_.contains("Resiz")));
-        if quantity(&status.capacity) == "30Mi" && !resizing {
+        if storage(&status.capacity) == "30Mi" && !resizing {
             Ok(())
         } else {
             Err(format!("{status:?}"))
@@ -282,7 +273,7 @@ async fn expansion_grows_the_image_and_the_pv() {
         .await;
     assert_eq!(image_size(&env, &blk_pv), 50 * MIB);
     let p = pvs.get(&blk_pv).await.unwrap();
-    assert_eq!(quantity(&p.spec.unwrap().capacity), "30Mi");
+    assert_eq!(storage(&p.spec.unwrap().capacity), "30Mi");
     provisioner.stop().await;
 }
 

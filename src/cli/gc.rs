@@ -13,9 +13,8 @@ use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{Api, ListParams};
 use serde_json::json;
 
-use crate::error::Error;
 use crate::provisioner::pv::{DELETION_SECRET_NAME, DELETION_SECRET_NAMESPACE, PROVISIONED_BY};
-use crate::rados::{Cluster, ConnectOptions, Secret};
+use crate::rados::{Cluster, ConnectOptions};
 use crate::volume::clusters::{ClusterInfo, ClustersFile, Credentials};
 use crate::volume::gc::{self, Kind, Owned, References, Removed};
 use crate::volume::params::SecretRef;
@@ -229,10 +228,7 @@ impl GcConn {
                     o = o.keyring(k);
                 }
                 if let Some(f) = &self.keyfile {
-                    let key = std::fs::read_to_string(f).map_err(|e| {
-                        Error::invalid("read keyfile", f.display().to_string(), e.to_string())
-                    })?;
-                    o = o.key(Secret::new(key.trim()));
+                    o = o.key(super::read_keyfile(f)?);
                 }
             }
         }

@@ -324,6 +324,17 @@ fn storage_limit(claim: &PersistentVolumeClaim) -> Option<u64> {
     parse_bytes(&q.0).ok()
 }
 
+/// A PV's `spec.capacity.storage` in bytes; 0 if it has none or it does
+/// not parse.
+pub(crate) fn pv_capacity(pv: &PersistentVolume) -> u64 {
+    pv.spec
+        .as_ref()
+        .and_then(|s| s.capacity.as_ref())
+        .and_then(|c| c.get("storage"))
+        .and_then(|q| parse_bytes(&q.0).ok())
+        .unwrap_or(0)
+}
+
 fn now() -> Time {
     Time(k8s_openapi::jiff::Timestamp::now())
 }
@@ -948,13 +959,7 @@ async fn expand(
     let Ok(requested) = storage_request(claim) else {
         return Ok(Action::await_change());
     };
-    let capacity = pv
-        .spec
-        .as_ref()
-        .and_then(|s| s.capacity.as_ref())
-        .and_then(|c| c.get("storage"))
-        .and_then(|q| parse_bytes(&q.0).ok())
-        .unwrap_or(0);
+    let capacity = pv_capacity(&pv);
     if requested <= capacity {
         if resize_unfinished(claim) && capacity > 0 {
             tracing::info!(pv = %pv_name, bytes = capacity, "finishing a resize cut short after the PV was grown");

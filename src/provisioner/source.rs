@@ -16,8 +16,7 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
 use kube::ResourceExt;
 
-use crate::k8s::quantity::parse_bytes;
-use crate::provisioner::controller::edit_meta;
+use crate::provisioner::controller::{edit_meta, pv_capacity};
 use crate::provisioner::pv::our_volume;
 use crate::volume::{SnapshotId, VolumeId};
 
@@ -137,15 +136,6 @@ pub fn source_claim(claim: &PersistentVolumeClaim) -> Option<String> {
     (ds.api_group.is_empty() && ds.kind == "PersistentVolumeClaim").then_some(ds.name)
 }
 
-fn capacity(pv: &PersistentVolume) -> u64 {
-    pv.spec
-        .as_ref()
-        .and_then(|s| s.capacity.as_ref())
-        .and_then(|c| c.get("storage"))
-        .and_then(|q| parse_bytes(&q.0).ok())
-        .unwrap_or(0)
-}
-
 fn snapshot_api(kind: &str, plural: &str) -> ApiResource {
     ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(SNAPSHOT_GROUP, "v1", kind), plural)
 }
@@ -223,7 +213,7 @@ async fn resolve_claim(
     };
     Ok(Source::Volume {
         claim: ds.name.clone(),
-        size: capacity(&pv),
+        size: pv_capacity(&pv),
         volume,
     })
 }

@@ -66,6 +66,16 @@ struct RawRbd {
     rados_namespace: Option<String>,
 }
 
+/// A monitor list as written (config.json's `monitors`, a PV's
+/// `spec.rbd.monitors`): each entry trimmed, empty ones dropped, in order.
+pub fn monitor_list(entries: &[String]) -> Vec<String> {
+    entries
+        .iter()
+        .map(|m| m.trim().to_owned())
+        .filter(|m| !m.is_empty())
+        .collect()
+}
+
 /// The parsed clusters config.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ClustersConfig {
@@ -84,12 +94,7 @@ impl ClustersConfig {
             if e.cluster_id.trim().is_empty() {
                 return Err(format!("entry {i} has an empty clusterID"));
             }
-            let monitors: Vec<String> = e
-                .monitors
-                .iter()
-                .map(|m| m.trim().to_owned())
-                .filter(|m| !m.is_empty())
-                .collect();
+            let monitors = monitor_list(&e.monitors);
             if monitors.is_empty() {
                 return Err(format!("cluster {:?} has no monitors", e.cluster_id));
             }
@@ -744,6 +749,20 @@ mod tests {
         assert_eq!(c.get("c2").unwrap().rados_namespace, "");
         assert!(c.get("c3").is_none());
         assert!(ClustersConfig::parse("[]").unwrap().is_empty());
+    }
+
+    #[test]
+    fn monitor_lists_are_trimmed_and_lose_empty_entries() {
+        let raw: Vec<String> = [" 10.0.0.2:6789 ", "", "  ", "\t[v2:1.2.3.4:3300]\n", "b"]
+            .map(String::from)
+            .into();
+        assert_eq!(
+            monitor_list(&raw),
+            vec!["10.0.0.2:6789", "[v2:1.2.3.4:3300]", "b"]
+        );
+        assert!(monitor_list(&[" ".to_owned()]).is_empty());
+        let c = ClustersConfig::parse(r#"[{"clusterID": "x", "monitors": [" ", ""]}]"#);
+        assert!(c.unwrap_err().contains("no monitors"));
     }
 
     #[test]

@@ -29,7 +29,7 @@ use kube::api::ObjectMeta;
 
 use crate::rados::Cluster;
 use crate::rbd::Image;
-use crate::volume::clusters::ClustersConfig;
+use crate::volume::clusters::{monitor_list, ClustersConfig};
 use crate::volume::ops::{self, timed, Owner, VolumeError, META_PROVISIONER, META_PV};
 use crate::volume::params::SecretRef;
 use crate::volume::{CephObserver, Fence, VolumeId};
@@ -234,12 +234,7 @@ pub fn parse(pv: &PersistentVolume) -> Result<LegacyVolume, LegacyError> {
                 )))
             }
         };
-        let monitors: Vec<String> = rbd
-            .monitors
-            .iter()
-            .map(|m| m.trim().to_owned())
-            .filter(|m| !m.is_empty())
-            .collect();
+        let monitors = monitor_list(&rbd.monitors);
         if monitors.is_empty() {
             return Err(bad("spec.rbd.monitors is empty"));
         }
@@ -790,6 +785,11 @@ mod tests {
         ))
         .unwrap_err();
         assert!(e.to_string().contains("image"), "{e}");
+        // Blank monitor entries are dropped (clusters::monitor_list): none left.
+        let mut blank = rbd_pv(Some("ceph.com/rbd"));
+        blank.spec.as_mut().unwrap().rbd.as_mut().unwrap().monitors = vec![" ".into(), "".into()];
+        let e = parse(&blank).unwrap_err();
+        assert!(e.to_string().contains("spec.rbd.monitors is empty"), "{e}");
     }
 
     #[test]

@@ -19,11 +19,13 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::storage::v1::StorageClass;
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::Api;
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
+use rbdkit::k8s::quantity::parse_bytes;
 use rbdkit::provisioner::ProvisionerArgs;
 use rbdkit::rbd;
 
@@ -41,6 +43,22 @@ pub fn from_json<T: DeserializeOwned>(value: serde_json::Value) -> T {
 /// The name in a PV's claimRef.
 pub fn claim_name(pv: &PersistentVolume) -> Option<&str> {
     pv.spec.as_ref()?.claim_ref.as_ref()?.name.as_deref()
+}
+
+/// The `storage` entry of a capacity map (a PV's `spec.capacity`, a claim's
+/// `status.capacity`) as written, such as "16Mi"; "" if there is none.
+pub fn storage(capacity: &Option<BTreeMap<String, Quantity>>) -> String {
+    capacity
+        .as_ref()
+        .and_then(|m| m.get("storage"))
+        .map(|q| q.0.clone())
+        .unwrap_or_default()
+}
+
+/// A PV's capacity in bytes; 0 if it has none (or it does not parse).
+pub fn pv_bytes(pv: &PersistentVolume) -> u64 {
+    let q = storage(&pv.spec.as_ref().and_then(|s| s.capacity.clone()));
+    parse_bytes(&q).unwrap_or(0)
 }
 
 /// Polls `f` every 200 ms until it returns `Ok`, for at most `timeout`;
@@ -450,6 +468,20 @@ impl Env {
         let pv_name = c.spec.as_ref().unwrap().volume_name.clone().unwrap();
         let pv = self.pvs().get(&pv_name).await.expect("get PV");
         (c, pv)
+    }
+
+    /// Claim `claim`'s finalizers.
+    pub async fn claim_finalizers(&self, claim: &str) -> Vec<String> {
+        let c = self.claims().get(claim).await;
+        let c = c.unwrap_or_else(|e| panic!("get claim {claim}: {e}"));
+        c.metadata.finalizers.unwrap_or_default()
+    }
+
+    /// Claim `claim`'s phase ("" before it has one).
+    pub async fn claim_phase(&self, claim: &str) -> String {
+        let c = self.claims().get(claim).await;
+        let c = c.unwrap_or_else(|e| panic!("get claim {claim}: {e}"));
+        c.status.and_then(|s| s.phase).unwrap_or_default()
     }
 
     /// Waits until an object is gone.
@@ -877,4 +909,20 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
         );
     }
     (code, body)
+}
+
+/// Polls `addr`'s `/readyz` until it answers 200 with a body `ok` accepts,
+/// for at most [`WAIT`]; returns that body.
+pub async fn wait_readyz(
+    addr: std::net::SocketAddr,
+    what: &str,
+    ok: impl Fn(&str) -> bool,
+) -> String {
+    eventually(what, WAIT, || async {
+        match http_get(addr, "/readyz").await {
+            (200, b) if ok(&b) => Ok(b),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await
 }
