@@ -344,10 +344,10 @@ async fn monitor_stopped_mid_run_is_reported_and_recovers() {
     env.wait_gone(&env.pvs(), &del_pv).await;
     eventually("grow's PV at 16Mi", WAIT, || async {
         let (_, pv) = env.wait_bound("grow").await;
-        if capacity(&pv) == 16 * MIB {
+        if pv_bytes(&pv) == 16 * MIB {
             Ok(())
         } else {
-            Err(format!("capacity {}", capacity(&pv)))
+            Err(format!("capacity {}", pv_bytes(&pv)))
         }
     })
     .await;
@@ -393,7 +393,7 @@ async fn monitor_stopped_unseen_resize_completes_and_create_times_out() {
     env.resize_claim("grow", "16Mi").await;
     env.wait_event("grow", "VolumeResizeSuccessful", &[]).await;
     let (_, pv) = env.wait_bound("grow").await;
-    assert_eq!(capacity(&pv), 16 * MIB);
+    assert_eq!(pv_bytes(&pv), 16 * MIB);
     eprintln!("resized with the monitor down after {:?}", t0.elapsed());
 
     let t1 = Instant::now();

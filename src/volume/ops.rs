@@ -366,7 +366,7 @@ fn ensure_image_steps(
         let current = timed(metrics, "size", || existing.size())?;
         let id = timed(metrics, "id", || existing.id())?;
         drop(existing);
-        finish_cut_short_rename(&io, metrics, fence, vol, &id)?;
+        finish_cut_short_rename(&io, metrics, fence, &vol.image, &id)?;
         return Ok(current);
     }
     check_pool_quota(cluster, metrics, vol, size)?;
@@ -584,7 +584,7 @@ fn delete_image_steps(
         }
         if name != temp {
             let id = timed(metrics, "id", || image.id())?;
-            finish_cut_short_rename(&io, metrics, fence, vol, &id)?;
+            finish_cut_short_rename(&io, metrics, fence, &vol.image, &id)?;
         }
         drop(image);
         match crate::volume::snapshot::remove_or_trash(
@@ -635,32 +635,29 @@ fn delete_image_steps(
 /// lists only the temporary name, which then leaked. Only when the listed
 /// temporary name has the very id the final name opens (an image already
 /// proven ours): the stray id object goes and the rename is made again.
-fn finish_cut_short_rename(
+/// The clones of `snapshot.rs` are renamed the same way and call this too.
+pub(crate) fn finish_cut_short_rename(
     io: &IoCtx,
     metrics: &dyn CephObserver,
     fence: &dyn Fence,
-    vol: &VolumeId,
+    name: &str,
     id: &str,
 ) -> Result<(), VolumeError> {
-    let temp = format!("{}{TEMP_SUFFIX}", vol.image);
+    let temp = format!("{name}{TEMP_SUFFIX}");
     let listed = timed(metrics, "list", || rbd::list(io))?;
-    if listed.iter().any(|s| s.name == vol.image)
-        || !listed.iter().any(|s| s.name == temp && s.id == id)
+    if listed.iter().any(|s| s.name == name) || !listed.iter().any(|s| s.name == temp && s.id == id)
     {
         return Ok(());
     }
-    let object = format!("{vol}{TEMP_SUFFIX}");
-    tracing::warn!(image = %vol, "finishing a rename cut short");
-    fenced(fence, "rados_remove", &object)?;
-    match timed(metrics, "remove", || {
-        io.remove(&format!("rbd_id.{}", vol.image))
-    }) {
+    tracing::warn!(image = name, "finishing a rename cut short");
+    fenced(fence, "rados_remove", &temp)?;
+    match timed(metrics, "remove", || io.remove(&format!("rbd_id.{name}"))) {
         Ok(()) => {}
         Err(e) if e.kind() == ErrorKind::NotFound => {}
         Err(e) => return Err(e.into()),
     }
-    fenced(fence, "rbd_rename", &object)?;
-    timed(metrics, "rename", || rbd::rename(io, &temp, &vol.image))?;
+    fenced(fence, "rbd_rename", &temp)?;
+    timed(metrics, "rename", || rbd::rename(io, &temp, name))?;
     Ok(())
 }
 

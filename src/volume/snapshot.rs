@@ -61,8 +61,9 @@ use crate::rbd::{
     self, Features, Image, ImageOptions, LinkedImage, ParentInfo, SnapInfo, SnapNamespaceType,
 };
 use crate::volume::ops::{
-    check_owner, contradicts, fenced, has_snapshots_or_children, ioctx, open_if_exists, purge,
-    timed, Deleted, Owner, VolumeError, META_CLUSTER, META_PROVISIONER, TEMP_SUFFIX,
+    check_owner, contradicts, fenced, finish_cut_short_rename, has_snapshots_or_children, ioctx,
+    open_if_exists, purge, timed, Deleted, Owner, VolumeError, META_CLUSTER, META_PROVISIONER,
+    TEMP_SUFFIX,
 };
 use crate::volume::params::CloneDepth;
 use crate::volume::{CephObserver, Fence, NoFence, SnapshotId, VolumeId};
@@ -589,6 +590,9 @@ pub fn ensure_snapshot_fenced(
             let m = meta(&img, metrics)?;
             check_snapshot(&m, &owner.provisioner, Some(&owner.snapshot_name), image)?;
             check_source(&m, image, &want)?;
+            let id = timed(metrics, "id", || img.id())?;
+            drop(img);
+            finish_cut_short_rename(&io, metrics, fence, image, &id)?;
         }
         None => {
             let src = open_if_exists(&io, metrics, &source.image)?.ok_or_else(|| {
@@ -1194,6 +1198,9 @@ pub fn ensure_volume_from_snapshot(
         Some(img) => {
             check_owner(&img, metrics, &owner.provisioner, &owner.pv_name)?;
             check_source(&meta(&img, metrics)?, &vol.image, &want)?;
+            let id = timed(metrics, "id", || img.id())?;
+            drop(img);
+            finish_cut_short_rename(&io, metrics, &*opts.fence, &vol.image, &id)?;
         }
         None => {
             let missing = || VolumeError::Missing {
@@ -1268,6 +1275,9 @@ pub fn ensure_volume_from_volume(
         Some(img) => {
             check_owner(&img, metrics, &owner.provisioner, &owner.pv_name)?;
             check_source(&meta(&img, metrics)?, &vol.image, &want)?;
+            let id = timed(metrics, "id", || img.id())?;
+            drop(img);
+            finish_cut_short_rename(&io, metrics, &*opts.fence, &vol.image, &id)?;
         }
         None => {
             let src = open_if_exists(&io, metrics, &source.image)?.ok_or_else(|| {
