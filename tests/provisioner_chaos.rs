@@ -20,7 +20,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::PersistentVolume;
 use kube::api::ListParams;
 use serde_json::json;
 
@@ -30,7 +29,7 @@ use rbdkit::provisioner::pv::PV_FINALIZER;
 use rbdkit::rbd::{self, Image};
 use rbdkit::volume::ops::{owner_metadata, TEMP_SUFFIX};
 
-use support::provisioner::{claim_name, eventually, Env};
+use support::provisioner::{claim_name, eventually, pv_bytes, Env};
 
 const CLAIMS: usize = 24;
 /// Claims deleted while the kills go on: every third one, half of them
@@ -58,15 +57,6 @@ impl Rng {
     fn millis(&mut self, lo: u64, hi: u64) -> Duration {
         Duration::from_millis(lo + self.next() % (hi - lo))
     }
-}
-
-fn capacity(pv: &PersistentVolume) -> u64 {
-    pv.spec
-        .as_ref()
-        .and_then(|s| s.capacity.as_ref())
-        .and_then(|c| c.get("storage"))
-        .and_then(|q| parse_bytes(&q.0).ok())
-        .unwrap_or(0)
 }
 
 async fn phase(env: &Env, claim: &str) -> Option<String> {
@@ -212,10 +202,10 @@ async fn census(env: &Env, want: &Want<'_>) -> Result<Census, String> {
         } else {
             8
         } * MIB;
-        if capacity(pv) != want_size {
+        if pv_bytes(pv) != want_size {
             c.other.push(format!(
                 "PV {name} of {claim} has {} bytes, not {want_size}",
-                capacity(pv)
+                pv_bytes(pv)
             ));
         }
         if !images.contains(&name) {

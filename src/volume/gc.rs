@@ -23,7 +23,7 @@ use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::time::Instant;
 
-use crate::rados::Cluster;
+use crate::rados::{Cluster, IoCtx};
 use crate::rbd::{self, Image};
 use crate::volume::ops::{
     VolumeError, META_CLUSTER, META_PROVISIONER, META_PV, META_PVC_NAME, META_PVC_NAMESPACE,
@@ -286,6 +286,34 @@ pub enum Removed {
     AlreadyGone,
 }
 
+/// Opens `o`'s image again (`None`: gone since the scan) and checks it is
+/// the same image with the same owner record.
+fn reopen(
+    io: &IoCtx,
+    o: &Owned,
+    provisioner: &str,
+    read_only: bool,
+) -> Result<Option<Image>, VolumeError> {
+    let opened = if read_only {
+        Image::open_read_only(io, &o.volume.image)
+    } else {
+        Image::open(io, &o.volume.image)
+    };
+    let image = match opened {
+        Ok(i) => i,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    if image.id()? != o.image_id {
+        return Err(VolumeError::NotOwned {
+            image: o.volume.to_string(),
+            why: "it was replaced by another image since the scan".into(),
+        });
+    }
+    recheck(&image, o, provisioner)?;
+    Ok(Some(image))
+}
+
 /// Checks that what is there now is still `o`, with the same owner record
 /// (for a temporary snapshot: any owner record of ours on its image).
 fn recheck(image: &Image, o: &Owned, provisioner: &str) -> Result<(), VolumeError> {
@@ -335,18 +363,9 @@ pub fn remove(
                     why: format!("not a {TEMP_SNAP_PREFIX} snapshot"),
                 });
             }
-            let image = match Image::open(&io, &o.volume.image) {
-                Ok(i) => i,
-                Err(e) if e.kind() == ErrorKind::NotFound => return Ok(Removed::AlreadyGone),
-                Err(e) => return Err(e.into()),
+            let Some(image) = reopen(&io, o, provisioner, false)? else {
+                return Ok(Removed::AlreadyGone);
             };
-            if image.id()? != o.image_id {
-                return Err(VolumeError::NotOwned {
-                    image: o.volume.to_string(),
-                    why: "it was replaced by another image since the scan".into(),
-                });
-            }
-            recheck(&image, o, provisioner)?;
             let temp = format!("{}{TEMP_SUFFIX}", o.pv_name);
             match Image::open_read_only(&io, &temp) {
                 Ok(_) => {
@@ -367,18 +386,9 @@ pub fn remove(
             }
         }
         Kind::Orphan | Kind::Temp => {
-            let image = match Image::open_read_only(&io, &o.volume.image) {
-                Ok(i) => i,
-                Err(e) if e.kind() == ErrorKind::NotFound => return Ok(Removed::AlreadyGone),
-                Err(e) => return Err(e.into()),
+            let Some(image) = reopen(&io, o, provisioner, true)? else {
+                return Ok(Removed::AlreadyGone);
             };
-            if image.id()? != o.image_id {
-                return Err(VolumeError::NotOwned {
-                    image: o.volume.to_string(),
-                    why: "it was replaced by another image since the scan".into(),
-                });
-            }
-            recheck(&image, o, provisioner)?;
             let watchers = image.watchers()?;
             if !watchers.is_empty() {
                 return Err(VolumeError::InUse {
