@@ -120,6 +120,16 @@ async fn a_dead_cluster_fails_in_bounded_time() {
     assert_eq!(e.op(), "rados_connect", "{e}");
 }
 
+/// The volume `image` in the test pool, in `ns`, on cluster "test".
+fn volume_in(ns: &TestNs, image: &str) -> VolumeId {
+    VolumeId {
+        cluster_id: "test".into(),
+        pool: POOL.into(),
+        rados_namespace: ns.name.clone(),
+        image: image.into(),
+    }
+}
+
 fn owner(pv: &str) -> Owner {
     Owner {
         provisioner: "p.rbdkit.test".into(),
@@ -135,12 +145,7 @@ fn image_operations_check_ownership_and_are_idempotent() {
     let ns = TestNs::new("volops");
     let m = metrics();
     let c = cluster();
-    let vol = VolumeId {
-        cluster_id: "test".into(),
-        pool: POOL.into(),
-        rados_namespace: ns.name.clone(),
-        image: "pvc-1".into(),
-    };
+    let vol = volume_in(&ns, "pvc-1");
     let opts = ImageOptions::new();
     // Create, and create again: same image.
     assert_eq!(
@@ -243,12 +248,7 @@ fn a_trash_entry_whose_owner_cannot_be_checked_is_not_purged() {
     let ns = TestNs::new("trashowner");
     let m = metrics();
     let c = cluster();
-    let vol = |image: &str| VolumeId {
-        cluster_id: "test".into(),
-        pool: POOL.into(),
-        rados_namespace: ns.name.clone(),
-        image: image.into(),
-    };
+    let vol = |image: &str| volume_in(&ns, image);
     let opts = ImageOptions::new();
     let trashed = |name: &str| -> String {
         ensure_image(&c, &m, &NoFence, &vol(name), 4 << 20, &opts, &owner(name)).unwrap();
@@ -320,12 +320,7 @@ fn a_temporary_image_with_a_partial_owner_record_is_cleaned_up() {
     let ns = TestNs::new("partial");
     let m = metrics();
     let c = cluster();
-    let vol = VolumeId {
-        cluster_id: "test".into(),
-        pool: POOL.into(),
-        rados_namespace: ns.name.clone(),
-        image: "pvc-3".into(),
-    };
+    let vol = volume_in(&ns, "pvc-3");
     let opts = ImageOptions::new();
     // A kill -9 between two metadata writes: only the first key is there.
     let temp = format!("pvc-3{TEMP_SUFFIX}");
@@ -361,12 +356,7 @@ fn a_remove_cut_short_inside_librbd_is_finished_by_the_retry() {
     let ns = TestNs::new("cutshort");
     let m = metrics();
     let c = cluster();
-    let vol = |image: &str| VolumeId {
-        cluster_id: "test".into(),
-        pool: POOL.into(),
-        rados_namespace: ns.name.clone(),
-        image: image.into(),
-    };
+    let vol = |image: &str| volume_in(&ns, image);
     let opts = ImageOptions::new();
     ensure_image(
         &c,
@@ -444,12 +434,7 @@ fn a_rename_cut_short_inside_librbd_is_finished_by_the_retry() {
     let ns = TestNs::new("cutrename");
     let m = metrics();
     let c = cluster();
-    let vol = VolumeId {
-        cluster_id: "test".into(),
-        pool: POOL.into(),
-        rados_namespace: ns.name.clone(),
-        image: "pvc-6".into(),
-    };
+    let vol = volume_in(&ns, "pvc-6");
     let temp = format!("pvc-6{TEMP_SUFFIX}");
     let opts = ImageOptions::new();
     let cut_short = || {

@@ -111,8 +111,28 @@ impl World {
         (images, trash)
     }
 
+    /// The size of `image` in the private cluster's pool, read by librbd.
+    fn image_size(&self, image: &str) -> u64 {
+        let c: Cluster = self.ceph.connect();
+        let io = c.ioctx(POOL).unwrap();
+        let size = rbd::Image::open_read_only(&io, image)
+            .and_then(|i| i.size())
+            .unwrap();
+        drop(io);
+        drop(c);
+        size
+    }
+
     async fn our_pvs(&self) -> Vec<PersistentVolume> {
         self.env.our_pvs().await.unwrap()
+    }
+
+    /// The end of every fault test: the [`World::audit`], no key in the
+    /// provisioner's log, and the provisioner stopped.
+    async fn finish(mut self, left: &[&str]) {
+        self.audit(left).await;
+        assert!(!self.child.log_text().contains(&self.ceph.admin_key()));
+        let _ = self.child.terminate();
     }
 
     /// What every fault test ends with: the claims `left` Bound, one PV
@@ -244,17 +264,11 @@ async fn osd_stopped_mid_run_times_out_reports_degraded_and_recovers() {
     wait_readyz(w.http, "/readyz ok again", |b| b == "ok").await;
     assert_eq!(w.child.pid(), pid);
     assert!(w.child.running(), "{}", w.child.log_tail());
-    let c = w.ceph.connect();
-    let io = c.ioctx(POOL).unwrap();
-    let size = rbd::Image::open_read_only(&io, grown.metadata.name.as_deref().unwrap())
-        .and_then(|i| i.size())
-        .unwrap();
-    assert_eq!(size, 16 * MIB);
-    drop(io);
-    drop(c);
-    w.audit(&["grow", "new"]).await;
-    assert!(!w.child.log_text().contains(&w.ceph.admin_key()));
-    let _ = w.child.terminate();
+    assert_eq!(
+        w.image_size(grown.metadata.name.as_deref().unwrap()),
+        16 * MIB
+    );
+    w.finish(&["grow", "new"]).await;
 }
 
 /// The operations start once the probe has seen the monitor go: before
@@ -279,16 +293,9 @@ async fn monitor_stopped_mid_run_is_reported_and_recovers() {
 
     w.ceph.stop_daemon("mon.a");
     let stopped = Instant::now();
-    let body = eventually(
-        "/readyz to report the cluster unreachable",
-        WAIT,
-        || async {
-            match w.readyz().await {
-                (200, b) if b.starts_with("degraded") && b.contains(&w.cluster_id) => Ok(b),
-                other => Err(format!("{other:?}")),
-            }
-        },
-    )
+    let body = wait_readyz(w.http, "/readyz to report the cluster unreachable", |b| {
+        b.starts_with("degraded") && b.contains(&w.cluster_id)
+    })
     .await;
     eprintln!(
         "/readyz with the monitor down after {:?}: {body}",
@@ -352,26 +359,11 @@ async fn monitor_stopped_mid_run_is_reported_and_recovers() {
     })
     .await;
     eprintln!("all done {:?} after the monitor came back", t1.elapsed());
-    let c = w.ceph.connect();
-    let io = c.ioctx(POOL).unwrap();
-    let size = rbd::Image::open_read_only(&io, &grow_image)
-        .and_then(|i| i.size())
-        .unwrap();
-    assert_eq!(size, 16 * MIB);
-    drop(io);
-    drop(c);
-    eventually("/readyz ok again", WAIT, || async {
-        match w.readyz().await {
-            (200, b) if b == "ok" => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
+    assert_eq!(w.image_size(&grow_image), 16 * MIB);
+    wait_readyz(w.http, "/readyz ok again", |b| b == "ok").await;
     assert_eq!(w.child.pid(), pid);
     assert!(w.child.running(), "{}", w.child.log_tail());
-    w.audit(&["grow", "new"]).await;
-    assert!(!w.child.log_text().contains(&w.ceph.admin_key()));
-    let _ = w.child.terminate();
+    w.finish(&["grow", "new"]).await;
 }
 
 /// Before the probe sees the monitor go (here it never looks), the session
@@ -409,11 +401,8 @@ async fn monitor_stopped_unseen_resize_completes_and_create_times_out() {
         failed < OP_TIMEOUT * 2 + Duration::from_secs(5),
         "{failed:?}"
     );
-    let body = eventually("/readyz to report the cluster degraded", WAIT, || async {
-        match w.readyz().await {
-            (200, b) if b.starts_with("degraded") && b.contains(&w.cluster_id) => Ok(b),
-            other => Err(format!("{other:?}")),
-        }
+    let body = wait_readyz(w.http, "/readyz to report the cluster degraded", |b| {
+        b.starts_with("degraded") && b.contains(&w.cluster_id)
     })
     .await;
     eprintln!("/readyz: {body}");
@@ -423,23 +412,8 @@ async fn monitor_stopped_unseen_resize_completes_and_create_times_out() {
     let t2 = Instant::now();
     env.wait_bound("new").await;
     eprintln!("provisioned {:?} after the monitor came back", t2.elapsed());
-    eventually("/readyz ok again", WAIT, || async {
-        match w.readyz().await {
-            (200, b) if b == "ok" => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
-    .await;
+    wait_readyz(w.http, "/readyz ok again", |b| b == "ok").await;
     assert_eq!(w.child.pid(), pid);
-    let c = w.ceph.connect();
-    let io = c.ioctx(POOL).unwrap();
-    let size = rbd::Image::open_read_only(&io, &grow_image)
-        .and_then(|i| i.size())
-        .unwrap();
-    assert_eq!(size, 16 * MIB);
-    drop(io);
-    drop(c);
-    w.audit(&["grow", "new"]).await;
-    assert!(!w.child.log_text().contains(&w.ceph.admin_key()));
-    let _ = w.child.terminate();
+    assert_eq!(w.image_size(&grow_image), 16 * MIB);
+    w.finish(&["grow", "new"]).await;
 }
