@@ -424,26 +424,47 @@ def run_rbdkit(kube, env, tag, n, extra, with_floor=0):
 # --------------------------------------------------------------------------
 
 
-def section_burst(c, cfg, errors, tag, rbdkit_bin, pool):
-    n, rounds_n, n_rss = cfg["burst_claims"], cfg["burst_rounds"], cfg["burst_rss_pvs"]
-    tmpdir = tempfile.mkdtemp(prefix="rbdkit-bench-burst.")
-    script = REPO / "scripts" / "k8s-test-control-plane"
-    cp_dir = Path(tmpdir, "cp")
-    log("starting the test control plane")
-    up = subprocess.run([str(script), "up", str(cp_dir)], capture_output=True, text=True,
+CP_SCRIPT = REPO / "scripts" / "k8s-test-control-plane"
+
+
+def control_plane_up(cp_dir):
+    """Starts a test control plane in cp_dir, stopped by the script's
+    watchdog if this process dies. Returns (kubeconfig, None), or
+    (None, the end of its stderr)."""
+    up = subprocess.run([str(CP_SCRIPT), "up", str(cp_dir)], capture_output=True, text=True,
                         env=dict(os.environ, K8S_TEST_CP_OWNER_PID=str(os.getpid())),
                         stdin=subprocess.DEVNULL)
     m = re.search(r"export KUBECONFIG=(\S+)", up.stdout)
     if up.returncode != 0 or not m:
-        errors.append(f"burst: control plane did not start: {up.stderr[-600:]}")
+        return None, up.stderr[-600:]
+    return m.group(1), None
+
+
+def control_plane_down(cp_dir):
+    subprocess.run([str(CP_SCRIPT), "down", str(cp_dir)], stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+
+
+def clusters_config(tmpdir, conf):
+    """The provisioner's clusters config: one cluster, "bench"."""
+    clusters = Path(tmpdir, "config.json")
+    clusters.write_text(json.dumps([{"clusterID": "bench", "monitors": [mon_host(conf)]}]))
+    return clusters
+
+
+def section_burst(c, cfg, errors, tag, rbdkit_bin, pool):
+    n, rounds_n, n_rss = cfg["burst_claims"], cfg["burst_rounds"], cfg["burst_rss_pvs"]
+    tmpdir = tempfile.mkdtemp(prefix="rbdkit-bench-burst.")
+    cp_dir = Path(tmpdir, "cp")
+    log("starting the test control plane")
+    kubeconfig, why = control_plane_up(cp_dir)
+    if not kubeconfig:
+        errors.append(f"burst: control plane did not start: {why}")
         return {"rounds": [], "n": n}
-    kubeconfig = m.group(1)
     rounds = []
     try:
         kube = Kube(kubeconfig, tmpdir)
-        clusters = Path(tmpdir, "config.json")
-        clusters.write_text(json.dumps([{"clusterID": "bench", "monitors":
-                                         [mon_host(c.cl.conf)]}]))
+        clusters = clusters_config(tmpdir, c.cl.conf)
         env = {"bin": rbdkit_bin, "kubeconfig": kubeconfig, "clusters": clusters,
                "tmpdir": tmpdir, "conf": c.cl.conf, "pool": pool, "cluster_id": "bench",
                "key": admin_key(c.cl.conf)}
@@ -471,8 +492,7 @@ def section_burst(c, cfg, errors, tag, rbdkit_bin, pool):
             rss = {"error": str(e)}
         log(f"burst rss: {json.dumps(rss)}")
     finally:
-        subprocess.run([str(script), "down", str(cp_dir)], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+        control_plane_down(cp_dir)
         for f in Path(tmpdir).glob("client.*"):
             f.unlink()
     return {"n": n, "rounds": rounds, "rss": rss, "logs": tmpdir}

@@ -7,7 +7,6 @@ in the same session. See bench/README.md, section 7.
 """
 
 import json
-import os
 import re
 import subprocess
 import tempfile
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import burst  # noqa: E402 - bench/burst.py (sys.path set by it and the driver)
 from burst import BurstError, Kube, Provisioner, make_namespace, wait_until
-from node import admin_key, mon_host
+from node import admin_key
 
 REPO = Path(__file__).resolve().parent.parent
 PROVISIONER = "snap.rbdkit.bench"
@@ -254,12 +253,15 @@ def run_floor(env, r):
         features = img.features()
     features |= LAYERING
 
+    def clone_through_temp_snap(dst):
+        with rbd.Image(io, src) as img:
+            img.create_snap(tmp)
+        rbd.RBD().clone(io, src, tmp, io, dst, features=features)
+        with rbd.Image(io, src) as img:
+            img.remove_snap(tmp)
+
     t0 = time.perf_counter()
-    with rbd.Image(io, src) as img:
-        img.create_snap(tmp)
-    rbd.RBD().clone(io, src, tmp, io, simg, features=features)
-    with rbd.Image(io, src) as img:
-        img.remove_snap(tmp)
+    clone_through_temp_snap(simg)
     with rbd.Image(io, simg) as img:
         img.create_snap(FLOOR_SNAP)
     out["snapshot_s"] = time.perf_counter() - t0
@@ -269,11 +271,7 @@ def run_floor(env, r):
     out["restore_s"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    with rbd.Image(io, src) as img:
-        img.create_snap(tmp)
-    rbd.RBD().clone(io, src, tmp, io, cimg, features=features)
-    with rbd.Image(io, src) as img:
-        img.remove_snap(tmp)
+    clone_through_temp_snap(cimg)
     out["clone_s"] = time.perf_counter() - t0
 
     for name in (rimg, cimg):
@@ -319,20 +317,15 @@ def section_snapshot(c, cfg, errors, tag, rbdkit_bin, pool):
     size, written, rounds_n = cfg["snapshot_image_bytes"], cfg["snapshot_written_bytes"], \
         cfg["snapshot_rounds"]
     tmpdir = tempfile.mkdtemp(prefix="rbdkit-bench-snapshot.")
-    cp_script = REPO / "scripts" / "k8s-test-control-plane"
     sc_script = REPO / "scripts" / "snapshot-controller"
     cp_dir, sc_dir = Path(tmpdir, "cp"), Path(tmpdir, "snapshot-controller")
     out = {"image_bytes": size, "written_bytes": written, "rounds": []}
     started = time.monotonic()
     log("snapshot: starting the test control plane")
-    up = subprocess.run([str(cp_script), "up", str(cp_dir)], capture_output=True, text=True,
-                        env=dict(os.environ, K8S_TEST_CP_OWNER_PID=str(os.getpid())),
-                        stdin=subprocess.DEVNULL)
-    m = re.search(r"export KUBECONFIG=(\S+)", up.stdout)
-    if up.returncode != 0 or not m:
-        errors.append(f"snapshot: control plane did not start: {up.stderr[-600:]}")
+    kubeconfig, why = burst.control_plane_up(cp_dir)
+    if not kubeconfig:
+        errors.append(f"snapshot: control plane did not start: {why}")
         return out
-    kubeconfig = m.group(1)
     cluster = prov = w = None
     try:
         sc = subprocess.run([str(sc_script), "up", str(sc_dir), kubeconfig], capture_output=True,
@@ -340,9 +333,7 @@ def section_snapshot(c, cfg, errors, tag, rbdkit_bin, pool):
         if sc.returncode != 0:
             raise BurstError(f"the snapshot-controller did not start: {sc.stderr[-600:]}")
         kube = Kube(kubeconfig, tmpdir)
-        clusters = Path(tmpdir, "config.json")
-        clusters.write_text(json.dumps([{"clusterID": "bench",
-                                         "monitors": [mon_host(c.cl.conf)]}]))
+        clusters = burst.clusters_config(tmpdir, c.cl.conf)
         cluster = rados.Rados(conffile=c.cl.conf)
         cluster.conf_set("rbd_default_clone_format", "2")
         cluster.connect(timeout=30)
@@ -388,8 +379,7 @@ def section_snapshot(c, cfg, errors, tag, rbdkit_bin, pool):
             cluster.shutdown()
         subprocess.run([str(sc_script), "down", str(sc_dir)], stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
-        subprocess.run([str(cp_script), "down", str(cp_dir)], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+        burst.control_plane_down(cp_dir)
         for f in Path(tmpdir).glob("client.*"):
             f.unlink()
     out["elapsed_s"] = time.monotonic() - started
