@@ -2,7 +2,8 @@
 //!
 //! A thin layer over kube-runtime's [`Recorder`]: notes are cut to the 1 kB
 //! the API allows, and a failure to publish is logged, never returned, since
-//! an event is a report and must not fail the work it reports on.
+//! an event is a report and must not fail the work it reports on. Events are
+//! sent from a task of their own, so the work does not wait for them.
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -66,14 +67,22 @@ impl Events {
         // An event is a write: inside a reconcile it takes the reconcile's
         // token, so failing reconciles that only report are paced too.
         crate::k8s::backoff::before_work().await;
-        if let Err(e) = self.recorder.publish(&event, regarding).await {
-            tracing::warn!(
-                reason,
-                object = regarding.name.as_deref().unwrap_or(""),
-                error = %e,
-                "cannot publish event"
-            );
-        }
+        // Sent beside the work rather than in its path: two events per
+        // provisioning were two API round trips of its latency, and nothing
+        // waits for an event. Each send is bounded by the client's timeouts.
+        let recorder = self.recorder.clone();
+        let regarding = regarding.clone();
+        let reason = reason.to_owned();
+        tokio::spawn(async move {
+            if let Err(e) = recorder.publish(&event, &regarding).await {
+                tracing::warn!(
+                    reason,
+                    object = regarding.name.as_deref().unwrap_or(""),
+                    error = %e,
+                    "cannot publish event"
+                );
+            }
+        });
     }
 }
 

@@ -464,7 +464,11 @@ impl Connections {
                 .user(creds.user.clone())
                 .key(creds.key.clone())
                 .connect_timeout(self.connect_timeout)
-                .op_timeout(self.op_timeout);
+                .op_timeout(self.op_timeout)
+                // These connections only create, resize, snapshot and remove
+                // images, never read or write them: with the cache on,
+                // every open starts an object cacher and its flusher thread.
+                .set("rbd_cache", "false");
             let started = Instant::now();
             let connected = self.pool.run(move || options.connect()).await;
             self.metrics.ceph_op("connect", started);
