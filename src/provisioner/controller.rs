@@ -25,6 +25,7 @@ use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
@@ -116,6 +117,10 @@ pub struct Context {
     /// letting go of one (our finalizer removed, the PV still Released) is
     /// not a second delete. Lost on restart, which only costs that echo.
     deleted: Mutex<HashMap<String, Instant>>,
+    /// The volume controller's PV cache while leading (set by
+    /// [`Context::set_pv_cache`]), so provisioning need not GET a PV it
+    /// expects not to exist.
+    pv_cache: Mutex<Option<Store<PersistentVolume>>>,
 }
 
 impl fmt::Debug for Context {
@@ -155,6 +160,7 @@ impl Context {
             adopt: BTreeSet::new(),
             legacy_secret: None,
             deleted: Mutex::new(HashMap::new()),
+            pv_cache: Mutex::new(None),
         }
     }
 
@@ -199,6 +205,37 @@ impl Context {
         .await
         .map(|_| ())
         .map_err(|e| format!("cannot adopt legacy image {vol}: {e}"))
+    }
+
+    /// Uses `store` (the PV watch's cache, once it is ready) to look up PVs
+    /// by name instead of a GET.
+    pub fn set_pv_cache(&self, store: Option<Store<PersistentVolume>>) {
+        *self.pv_cache.lock().unwrap_or_else(|e| e.into_inner()) = store;
+    }
+
+    /// The PV named `name`: from the cache when it is set and synced, else
+    /// from the API server. A PV created after the cache last heard is
+    /// missed, which the PV create's conflict answer then catches.
+    async fn pv_lookup(&self, name: &str) -> Result<Option<PersistentVolume>, kube::Error> {
+        let cached = self
+            .pv_cache
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .filter(|s| {
+                matches!(
+                    futures::FutureExt::now_or_never(s.wait_until_ready()),
+                    Some(Ok(()))
+                )
+            });
+        match cached {
+            Some(store) => Ok(store.get(&ObjectRef::new(name)).map(|pv| (*pv).clone())),
+            None => {
+                Api::<PersistentVolume>::all(self.client.clone())
+                    .get_opt(name)
+                    .await
+            }
+        }
     }
 
     fn first_attempt(&self, key: &str) -> Instant {
@@ -614,8 +651,7 @@ async fn provision(claim: &PersistentVolumeClaim, ctx: &Context) -> Result<Actio
     }
     let key = claim.metadata.uid.clone().unwrap_or_default();
     // Done by an earlier attempt (the binder has not bound it yet)?
-    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
-    if let Some(pv) = pvs.get_opt(&pv_name).await? {
+    if let Some(pv) = ctx.pv_lookup(&pv_name).await? {
         if let Err(f) = check_pv_is_for(&pv, ctx, &key) {
             ctx.events
                 .warning(&claim_ref(claim), "ProvisioningFailed", &f.why)

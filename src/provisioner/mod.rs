@@ -481,6 +481,7 @@ async fn run_controllers(
 
     let (claim_store, claim_writer) = reflector::store();
     let (pv_store, pv_writer) = reflector::store();
+    ctx.set_pv_cache(Some(pv_store.clone()));
     let claim_controller = Controller::for_stream(
         trimmed(claims).reflect(claim_writer).applied_objects(),
         claim_store.clone(),
