@@ -215,8 +215,14 @@ impl Context {
 
     /// The PV named `name`: from the cache when it is set and synced, else
     /// from the API server. A PV created after the cache last heard is
-    /// missed, which the PV create's conflict answer then catches.
-    async fn pv_lookup(&self, name: &str) -> Result<Option<PersistentVolume>, kube::Error> {
+    /// missed, which the PV create's conflict answer then catches; with
+    /// `fresh`, a miss is asked of the API server too (for a claim an
+    /// earlier attempt worked on, whose PV may be newer than the cache).
+    async fn pv_lookup(
+        &self,
+        name: &str,
+        fresh: bool,
+    ) -> Result<Option<PersistentVolume>, kube::Error> {
         let cached = self
             .pv_cache
             .lock()
@@ -228,14 +234,15 @@ impl Context {
                     Some(Ok(()))
                 )
             });
-        match cached {
-            Some(store) => Ok(store.get(&ObjectRef::new(name)).map(|pv| (*pv).clone())),
-            None => {
-                Api::<PersistentVolume>::all(self.client.clone())
-                    .get_opt(name)
-                    .await
-            }
+        if let Some(pv) = cached.as_ref().and_then(|s| s.get(&ObjectRef::new(name))) {
+            return Ok(Some((*pv).clone()));
         }
+        if cached.is_some() && !fresh {
+            return Ok(None);
+        }
+        Api::<PersistentVolume>::all(self.client.clone())
+            .get_opt(name)
+            .await
     }
 
     fn first_attempt(&self, key: &str) -> Instant {
@@ -651,7 +658,10 @@ async fn provision(claim: &PersistentVolumeClaim, ctx: &Context) -> Result<Actio
     }
     let key = claim.metadata.uid.clone().unwrap_or_default();
     // Done by an earlier attempt (the binder has not bound it yet)?
-    if let Some(pv) = ctx.pv_lookup(&pv_name).await? {
+    // Our annotation means an earlier attempt may have made the PV just
+    // now, before the PV watch heard of it: a miss would provision twice.
+    let earlier = claim.annotations().contains_key(CLAIM_VOLUME_ANNOTATION);
+    if let Some(pv) = ctx.pv_lookup(&pv_name, earlier).await? {
         if let Err(f) = check_pv_is_for(&pv, ctx, &key) {
             ctx.events
                 .warning(&claim_ref(claim), "ProvisioningFailed", &f.why)

@@ -361,7 +361,14 @@ fn ensure_image_steps(
 ) -> Result<u64, VolumeError> {
     let io = ioctx(cluster, metrics, vol)?;
     // Already there (a retry after the PV create failed, or after a crash)?
-    if let Some(existing) = open_if_exists(&io, metrics, &vol.image)? {
+    // The id object answers for a new name without building an image
+    // context, which copies librbd's whole configuration.
+    let existing = if id_object_exists(&io, metrics, &vol.image)? {
+        open_if_exists(&io, metrics, &vol.image)?
+    } else {
+        None
+    };
+    if let Some(existing) = existing {
         check_owner(&existing, metrics, &owner.provisioner, &owner.pv_name)?;
         let current = timed(metrics, "size", || existing.size())?;
         let id = timed(metrics, "id", || existing.id())?;
@@ -477,6 +484,21 @@ fn create_temp(
     }
 }
 
+/// Whether `rbd_id.<name>` exists: a format 2 image of that name opens
+/// only if it does, so a miss saves an `rbd_open` (a configuration copy and
+/// a header read) that would fail.
+fn id_object_exists(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    name: &str,
+) -> Result<bool, VolumeError> {
+    match timed(metrics, "stat", || io.stat(&format!("rbd_id.{name}"))) {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
 pub(crate) fn open_if_exists(
     io: &IoCtx,
     metrics: &dyn CephObserver,
@@ -536,7 +558,14 @@ fn delete_image_steps(
         } else {
             vol.to_string()
         };
-        let Some(image) = open_if_exists(&io, metrics, name)? else {
+        // A temporary image is rarely left: its id object says so without
+        // an open.
+        let image = if name == temp && !id_object_exists(&io, metrics, name)? {
+            None
+        } else {
+            open_if_exists(&io, metrics, name)?
+        };
+        let Some(image) = image else {
             if name == temp {
                 // A create killed half-way leaves a name that cannot be
                 // opened; remove cleans that up too.
@@ -644,6 +673,13 @@ pub(crate) fn finish_cut_short_rename(
     id: &str,
 ) -> Result<(), VolumeError> {
     let temp = format!("{name}{TEMP_SUFFIX}");
+    // librbd writes the new id object, renames the directory entry, then
+    // removes the old id object: with that gone, the rename was not cut
+    // short, and the directory (a read of the whole pool's list) need not
+    // be read.
+    if !id_object_exists(io, metrics, &temp)? {
+        return Ok(());
+    }
     let listed = timed(metrics, "list", || rbd::list(io))?;
     if listed.iter().any(|s| s.name == name) || !listed.iter().any(|s| s.name == temp && s.id == id)
     {
