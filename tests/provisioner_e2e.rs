@@ -131,6 +131,69 @@ async fn provisions_a_claim_and_deletes_it_with_its_image() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_free_pv_of_the_class_is_left_to_the_binder_and_others_are_taken_early() {
+    let mut env = Env::new("early").await;
+    let class = env.storage_class("early", json!({}), json!({})).await;
+    // A free PV of our class, made by hand: the binder must get to bind
+    // the first claim to it, so rbdkit may not provision that claim.
+    let static_pv = format!("{}-static", env.ns);
+    env.pvs()
+        .create(
+            &Default::default(),
+            &support::provisioner::from_json(json!({
+                "metadata": {"name": static_pv},
+                "spec": {
+                    "capacity": {"storage": "20Mi"},
+                    "accessModes": ["ReadWriteOnce"],
+                    "persistentVolumeReclaimPolicy": "Retain",
+                    "storageClassName": class,
+                    "csi": {"driver": "static.example", "volumeHandle": static_pv},
+                },
+            })),
+        )
+        .await
+        .unwrap();
+    eventually("the hand-made PV Available", WAIT, || async {
+        let pv = env.pvs().get(&static_pv).await.map_err(|e| e.to_string())?;
+        match pv.status.and_then(|s| s.phase).as_deref() {
+            Some("Available") => Ok(()),
+            p => Err(format!("phase {p:?}")),
+        }
+    })
+    .await;
+    let provisioner = env.start_in_process();
+
+    env.claim("first", &class, "10Mi", &["ReadWriteOnce"], "Filesystem")
+        .await;
+    let (_, pv) = env.wait_bound("first").await;
+    assert_eq!(pv.metadata.name.as_deref(), Some(static_pv.as_str()));
+    assert!(env.images().is_empty(), "images: {:?}", env.images());
+
+    // With no free PV left, the next claim is ours from the start; it
+    // carries the binder's handover mark with our name either way.
+    env.claim("second", &class, "10Mi", &["ReadWriteOnce"], "Filesystem")
+        .await;
+    let (claim, pv) = env.wait_bound("second").await;
+    let uid = claim.metadata.uid.clone().unwrap();
+    assert_eq!(pv.metadata.name, Some(format!("pvc-{uid}")));
+    assert_eq!(
+        claim.metadata.annotations.unwrap()["volume.kubernetes.io/storage-provisioner"],
+        env.name
+    );
+    assert_eq!(env.images(), vec![format!("pvc-{uid}")]);
+
+    env.delete_claim("second").await;
+    env.wait_gone(&env.pvs(), &format!("pvc-{uid}")).await;
+    env.delete_claim("first").await;
+    env.pvs()
+        .delete(&static_pv, &Default::default())
+        .await
+        .unwrap();
+    assert!(env.images().is_empty(), "images left: {:?}", env.images());
+    provisioner.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retain_keeps_the_image_and_lets_go_of_the_pv() {
     let mut env = Env::new("retain").await;
     let class = env

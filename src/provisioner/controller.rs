@@ -121,6 +121,9 @@ pub struct Context {
     /// [`Context::set_pv_cache`]), so provisioning need not GET a PV it
     /// expects not to exist.
     pv_cache: Mutex<Option<Store<PersistentVolume>>>,
+    /// The StorageClass watch's cache while leading, so a claim of one of
+    /// our classes can be taken before the binder hands it over.
+    class_cache: Mutex<Option<Store<StorageClass>>>,
 }
 
 impl fmt::Debug for Context {
@@ -161,6 +164,7 @@ impl Context {
             legacy_secret: None,
             deleted: Mutex::new(HashMap::new()),
             pv_cache: Mutex::new(None),
+            class_cache: Mutex::new(None),
         }
     }
 
@@ -213,6 +217,50 @@ impl Context {
         *self.pv_cache.lock().unwrap_or_else(|e| e.into_inner()) = store;
     }
 
+    /// Uses `store` (the StorageClass watch's cache) to tell which claims
+    /// may be taken before the binder hands them over.
+    pub fn set_class_cache(&self, store: Option<Store<StorageClass>>) {
+        *self.class_cache.lock().unwrap_or_else(|e| e.into_inner()) = store;
+    }
+
+    /// Whether a claim not handed over yet (no storage-provisioner
+    /// annotation) may be provisioned now. kube-controller-manager's binder
+    /// writes that annotation once it has found no PV to bind the claim to,
+    /// one claim at a time at its client QPS (20 a second), and that set the
+    /// pace of a burst. A PV pre-bound to the claim is bound without it. So
+    /// when the class is ours and no PV the binder could choose exists, the
+    /// answer is the binder's own; anything else waits for the binder.
+    fn may_take_early(&self, claim: &PersistentVolumeClaim) -> bool {
+        let Some(spec) = claim.spec.as_ref() else {
+            return false;
+        };
+        let annotations = claim.annotations();
+        if spec.selector.is_some()
+            || annotations.contains_key(ANN_STORAGE_PROVISIONER)
+            || annotations.contains_key(ANN_STORAGE_PROVISIONER_BETA)
+        {
+            return false;
+        }
+        let Some(class) = spec.storage_class_name.as_deref().filter(|c| !c.is_empty()) else {
+            return false;
+        };
+        let (Some(classes), Some(pvs)) = (synced(&self.class_cache), synced(&self.pv_cache)) else {
+            return false;
+        };
+        if !classes
+            .get(&ObjectRef::new(class))
+            .is_some_and(|c| c.provisioner == self.name)
+        {
+            return false;
+        }
+        let own = pv_name_for(claim);
+        let namespace = claim.namespace().unwrap_or_default();
+        let name = claim.name_any();
+        !pvs.state()
+            .iter()
+            .any(|pv| could_be_bound_to(pv, class, &namespace, &name, own.as_deref()))
+    }
+
     /// The PV named `name`: from the cache when it is set and synced, else
     /// from the API server. A PV created after the cache last heard is
     /// missed, which the PV create's conflict answer then catches; with
@@ -223,17 +271,7 @@ impl Context {
         name: &str,
         fresh: bool,
     ) -> Result<Option<PersistentVolume>, kube::Error> {
-        let cached = self
-            .pv_cache
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-            .filter(|s| {
-                matches!(
-                    futures::FutureExt::now_or_never(s.wait_until_ready()),
-                    Some(Ok(()))
-                )
-            });
+        let cached = synced(&self.pv_cache);
         if let Some(pv) = cached.as_ref().and_then(|s| s.get(&ObjectRef::new(name))) {
             return Ok(Some((*pv).clone()));
         }
@@ -320,6 +358,51 @@ impl Context {
                 creds.user
             )
         })
+    }
+}
+
+/// The store in `slot`, if it is set and its first list is in.
+fn synced<K: kube::Resource + Clone>(slot: &Mutex<Option<Store<K>>>) -> Option<Store<K>>
+where
+    K::DynamicType: std::hash::Hash + Eq + Clone,
+{
+    slot.lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone()
+        .filter(|s| {
+            matches!(
+                futures::FutureExt::now_or_never(s.wait_until_ready()),
+                Some(Ok(()))
+            )
+        })
+}
+
+/// Whether the binder could bind claim `namespace/name` of `class` to `pv`
+/// rather than have it provisioned: a PV of that class that is free, or
+/// pre-bound to the claim and not the one we would make (`own`).
+pub(crate) fn could_be_bound_to(
+    pv: &PersistentVolume,
+    class: &str,
+    namespace: &str,
+    name: &str,
+    own: Option<&str>,
+) -> bool {
+    let Some(spec) = pv.spec.as_ref() else {
+        return false;
+    };
+    if spec.storage_class_name.as_deref() != Some(class) || pv.metadata.name.as_deref() == own {
+        return false;
+    }
+    let phase = pv.status.as_ref().and_then(|s| s.phase.as_deref());
+    if matches!(phase, Some("Released" | "Failed")) || pv.metadata.deletion_timestamp.is_some() {
+        return false;
+    }
+    match &spec.claim_ref {
+        None => true,
+        Some(r) => {
+            r.namespace.as_deref().unwrap_or_default() == namespace
+                && r.name.as_deref() == Some(name)
+        }
     }
 }
 
@@ -562,7 +645,7 @@ async fn claim_inner(
         }
         return expand(claim, &pv_name, ctx).await;
     }
-    if !for_us {
+    if !for_us && !ctx.may_take_early(claim) {
         return Ok(Action::await_change());
     }
     provision(claim, ctx).await
@@ -794,6 +877,14 @@ async fn provision_steps(
             (
                 CLAIM_SECRET_ANNOTATION.to_owned(),
                 Some(prov_secret.to_string()),
+            ),
+            // The binder's handover mark, written as the binder writes it
+            // (it then skips that write), for a claim taken early: the
+            // later steps (letting go, cleaning up) go by it.
+            (ANN_STORAGE_PROVISIONER.to_owned(), Some(ctx.name.clone())),
+            (
+                ANN_STORAGE_PROVISIONER_BETA.to_owned(),
+                Some(ctx.name.clone()),
             ),
         ]),
     )
@@ -1384,4 +1475,59 @@ async fn delete_steps(
     })
     .await
     .map_err(|e| format!("cannot delete image {vol}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pv(
+        name: &str,
+        class: &str,
+        claim: Option<(&str, &str)>,
+        phase: Option<&str>,
+    ) -> PersistentVolume {
+        serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "spec": {
+                "storageClassName": class,
+                "claimRef": claim.map(|(ns, n)| json!({"namespace": ns, "name": n})),
+            },
+            "status": {"phase": phase},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn only_a_free_or_pre_bound_pv_of_the_class_holds_a_claim_back() {
+        let own = Some("pvc-1");
+        let bound = |p: &PersistentVolume| could_be_bound_to(p, "fast", "ns", "data", own);
+        // Free, of the class: the binder may choose it.
+        assert!(bound(&pv("static", "fast", None, Some("Available"))));
+        assert!(bound(&pv("static", "fast", None, None)));
+        // Pre-bound to this claim by someone else.
+        assert!(bound(&pv(
+            "static",
+            "fast",
+            Some(("ns", "data")),
+            Some("Available")
+        )));
+        // Another class, another claim, our own PV, a released one.
+        assert!(!bound(&pv("static", "slow", None, Some("Available"))));
+        assert!(!bound(&pv(
+            "static",
+            "fast",
+            Some(("ns", "other")),
+            Some("Bound")
+        )));
+        assert!(!bound(&pv(
+            "static",
+            "fast",
+            Some(("other", "data")),
+            Some("Bound")
+        )));
+        assert!(!bound(&pv("pvc-1", "fast", Some(("ns", "data")), None)));
+        assert!(!bound(&pv("static", "fast", None, Some("Released"))));
+        assert!(!bound(&pv("static", "fast", None, Some("Failed"))));
+    }
 }

@@ -35,6 +35,7 @@ use anyhow::Context as _;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::storage::v1::StorageClass;
 use kube::runtime::{
     controller::Config as ControllerConfig, reflector, watcher, Controller, WatchStreamExt,
 };
@@ -482,6 +483,13 @@ async fn run_controllers(
     let (claim_store, claim_writer) = reflector::store();
     let (pv_store, pv_writer) = reflector::store();
     ctx.set_pv_cache(Some(pv_store.clone()));
+    let (class_store, class_writer) = reflector::store();
+    ctx.set_class_cache(Some(class_store));
+    // Only feeds the cache; an error (say, no list or watch on classes)
+    // only means claims wait for the binder's handover.
+    let classes = trimmed(Api::<StorageClass>::all(ctx.client.clone()))
+        .reflect(class_writer)
+        .for_each(|_| futures::future::ready(()));
     let claim_controller = Controller::for_stream(
         trimmed(claims).reflect(claim_writer).applied_objects(),
         claim_store.clone(),
@@ -540,7 +548,7 @@ async fn run_controllers(
     );
     // `synced` never ends: it is dropped with the controllers.
     tokio::select! {
-        _ = async { futures::join!(claims, volumes, snapshots) } => {}
+        _ = async { futures::join!(claims, volumes, snapshots, classes) } => {}
         _ = synced => {}
         _ = maintenance => {}
     }
