@@ -52,7 +52,7 @@ fn main() -> ExitCode {
         },
         Command::Provisioner(args) => {
             few_malloc_arenas();
-            serve_on(provisioner_runtime(), rbdkit::provisioner::run(args))
+            serve(rbdkit::provisioner::run(args))
         }
         Command::Csi(args) => serve(rbdkit::csi::run(args)),
         Command::Gc(args) => serve(rbdkit::cli::run_gc(args)),
@@ -72,40 +72,14 @@ fn few_malloc_arenas() {
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, 2);
     }
-    // A fixed threshold (glibc's default, which it otherwise raises to the
-    // largest block freed) keeps the big transient buffers of a burst (LIST
-    // pages, watch batches) in mmaps returned on free, not in the heap.
-    // SAFETY: as above, mallopt(3) accepts any value at any time; a failure
-    // leaves the dynamic threshold.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
-    }
-}
-
-/// The provisioner's runtime: its tasks only wait on the API server (Ceph
-/// calls run on its own `--ceph-threads` pool), so a worker per core of a big
-/// node would only add stacks and per-thread caches; and tokio's blocking
-/// pool, which it uses only for DNS lookups, file reads, monitor probes and
-/// closing Ceph connections (all bounded in time), would otherwise grow to
-/// 512 threads under a burst of those.
-fn provisioner_runtime() -> tokio::runtime::Builder {
-    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let mut b = tokio::runtime::Builder::new_multi_thread();
-    b.worker_threads(cores.min(4)).max_blocking_threads(32);
-    b
 }
 
 /// Runs a long-lived service on a multi-threaded runtime.
 fn serve(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> ExitCode {
-    serve_on(tokio::runtime::Builder::new_multi_thread(), fut)
-}
-
-/// Runs a long-lived service on a runtime built from `builder`.
-fn serve_on(
-    mut builder: tokio::runtime::Builder,
-    fut: impl std::future::Future<Output = anyhow::Result<()>>,
-) -> ExitCode {
-    let rt = match builder.enable_all().build() {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("rbdkit: cannot start the async runtime: {e}");

@@ -247,9 +247,9 @@ impl Context {
         let (Some(classes), Some(pvs)) = (synced(&self.class_cache), synced(&self.pv_cache)) else {
             return false;
         };
-        if !classes
+        if classes
             .get(&ObjectRef::new(class))
-            .is_some_and(|c| c.provisioner == self.name)
+            .is_none_or(|c| c.provisioner != self.name)
         {
             return false;
         }
