@@ -360,6 +360,22 @@ class Provisioner:
         return hwm
 
 
+FLOOR_SRC = REPO / "bench" / "rss-floor.c"
+
+
+def rss_floor(conf, pool, tmpdir, cycles=50):
+    """The memory floor of any librbd client: bench/rss-floor.c (a C program
+    linking only librados and librbd) connects and runs `cycles`
+    create/open/stat/close/remove cycles; its VmRSS and VmHWM in KiB."""
+    exe = Path(tmpdir, "rss-floor")
+    subprocess.run(["cc", "-O2", "-o", str(exe), str(FLOOR_SRC), "-lrbd", "-lrados"],
+                   check=True, capture_output=True, timeout=120, stdin=subprocess.DEVNULL)
+    out = subprocess.run([str(exe), str(conf), pool, str(cycles)], check=True,
+                         capture_output=True, text=True, timeout=300,
+                         stdin=subprocess.DEVNULL).stdout
+    return json.loads(out)
+
+
 def run_rbdkit(kube, env, tag, n, extra, with_floor=0):
     """N claims at once through rbdkit; with_floor: first bind that many
     pre-made PVs (left in place) so the caches hold more PVs."""
@@ -490,6 +506,10 @@ def section_burst(c, cfg, errors, tag, rbdkit_bin, pool):
         except (BurstError, OSError, subprocess.SubprocessError) as e:
             errors.append(f"burst/rss: {e}")
             rss = {"error": str(e)}
+        try:
+            rss["floor"] = rss_floor(c.cl.conf, pool, tmpdir)
+        except (OSError, subprocess.SubprocessError, ValueError) as e:
+            errors.append(f"burst/rss floor: {e}")
         log(f"burst rss: {json.dumps(rss)}")
     finally:
         control_plane_down(cp_dir)
@@ -594,6 +614,13 @@ def render(results, summary, cfg, fmt_ratio, fmt_num):
                  f"{rss['pvs_cached'] - rss['n']} pre-made and bound beforehand): "
                  f"**{rss['peak_rss_kib'] / 1024:.1f} MiB** (VmRSS once ready, before the "
                  f"burst: {rss['rss_idle_kib'] / 1024:.1f} MiB).")
+        fl = rss.get("floor")
+        if fl:
+            L.append(f"The floor under it: a C program that links only librados and librbd "
+                     f"(`bench/rss-floor.c`) has {fl['loaded_kib'] / 1024:.1f} MiB resident "
+                     f"before it does anything, {fl['connected_kib'] / 1024:.1f} MiB once "
+                     f"connected and peaks at **{fl['hwm_kib'] / 1024:.1f} MiB** after "
+                     f"{fl['cycles']} create/open/stat/close/remove cycles.")
         L.append("")
     L.append("Before (issue 10: the 500-claim burst before these changes, same machine kind, "
              "not side by side with the table above):")

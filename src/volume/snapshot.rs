@@ -414,6 +414,8 @@ fn make_clone(
             timed(metrics, "open", || Image::open(io, &temp))?
         }
         None => {
+            // A restore has no trace of an earlier attempt to go by.
+            let mut earlier_attempt = !job.temp_snap;
             if job.temp_snap {
                 let parent = timed(metrics, "open", || Image::open(io, job.parent))?;
                 fenced(&*opts.fence, "rbd_snap_create", job.parent)?;
@@ -421,10 +423,13 @@ fn make_clone(
                     parent.snap_create(job.parent_snap)
                 }) {
                     Ok(()) => {}
-                    Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+                    Err(e) if e.kind() == ErrorKind::AlreadyExists => earlier_attempt = true,
                     Err(e) => return Err(e.into()),
                 }
                 timed(metrics, "close", || parent.close())?;
+            }
+            if earlier_attempt {
+                finish_removing_temp(metrics, job, opts, &temp)?;
             }
             opts.step(1, job.parent_snap)?;
             fenced(&*opts.fence, "rbd_clone3", &temp)?;
@@ -465,6 +470,32 @@ fn make_clone(
     }
     opts.step(6, job.name)?;
     Ok(())
+}
+
+/// An `rbd_remove` of the temporary clone (of a half-made one) killed after
+/// its directory entry went leaves a trash entry marked "removing":
+/// `rbd_trash_list` hides it, `rbd_list2` shows it under the temporary name,
+/// and a new clone of that name leaves it there for good. `rbd_remove` of a
+/// name the directory no longer holds finishes such an entry; the name
+/// derives from the request, so it is ours.
+fn finish_removing_temp(
+    metrics: &dyn CephObserver,
+    job: &CloneJob<'_>,
+    opts: &CloneOptions,
+    temp: &str,
+) -> Result<(), VolumeError> {
+    fenced(&*opts.fence, "rbd_remove", temp)?;
+    match timed(metrics, "remove", || rbd::remove(job.io, temp)) {
+        Ok(()) => {
+            tracing::warn!(
+                image = temp,
+                "finished a removal of a temporary clone cut short"
+            );
+            Ok(())
+        }
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Clones the job's parent snapshot to `temp` (format 2) and opens it
