@@ -1,8 +1,9 @@
 /*
  * rss-floor: the resident memory any librbd client pays before it does
  * anything of its own (bench/burst.py runs it after its RSS run). It links
- * only librados and librbd, connects, runs CYCLES create/open/stat/close/remove cycles in POOL and
- * prints its VmRSS at three points and its VmHWM, in KiB, as one JSON line.
+ * only librados and librbd, connects, runs CYCLES create/open/stat/close/
+ * remove cycles in POOL and prints its VmRSS at three points and its VmHWM,
+ * in KiB, as one JSON line.
  *
  *   rss-floor CEPH_CONF POOL [CYCLES]
  *
