@@ -930,6 +930,9 @@ fn bad_map_options_are_refused_naming_the_option() {
         ("block_size=4000", "512, 1024, 2048 or 4096"),
         ("rbd_cache=maybe", "true or false"),
         ("rbd_cache_policy=fast", "writeback"),
+        // A write answered from the cache would die with the worker.
+        ("rbd_cache_policy=writeback", "only writethrough"),
+        ("rbd_cache_policy=writearound", "only writethrough"),
         ("rbd_cache", "needs a value"),
         ("read_only=yes", "takes no value"),
         // A librados setting that is not a cache knob is not let through.
@@ -959,6 +962,40 @@ fn bad_map_options_are_refused_naming_the_option() {
     assert!(d.mapper().list().unwrap().is_empty());
     let e = d.mapper().unmap("vol-bad", &["lazy".into()]).unwrap_err();
     assert!(e.to_string().contains("\"lazy\""), "{e}");
+}
+
+/// An image-level override of librbd's cache policy (which beats the
+/// daemon's own `writethrough`) is refused, naming it, before any device
+/// is bound; a snapshot mapping, which takes no writes, is not refused.
+#[test]
+fn a_write_back_cache_override_is_refused() {
+    let ns = TestNs::new("fuse-wb");
+    let tmp = tempdir("wb");
+    let d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    let img = Image::open(&ns.ioctx, "img").unwrap();
+    img.snap_create("s").unwrap();
+    for policy in ["writeback", "writearound"] {
+        img.metadata_set("conf_rbd_cache_policy", policy).unwrap();
+        let e = d.mapper().map(&spec(&ns, "vol-wb", "img")).unwrap_err();
+        assert_eq!(e.kind(), rbdkit::ErrorKind::InvalidArgument, "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&format!("rbd_cache_policy is {policy}")) && msg.contains("Image"),
+            "{msg}"
+        );
+        assert!(d.mapper().list().unwrap().is_empty());
+        assert!(!loopdev::list()
+            .iter()
+            .any(|(_, backing)| backing.starts_with(d.state_dir())));
+    }
+    let mut snap = spec(&ns, "vol-wb-snap", "img");
+    snap.snapshot = Some("s".into());
+    d.mapper().map(&snap).unwrap();
+    d.mapper().unmap("vol-wb-snap", &[]).unwrap();
+    img.metadata_remove("conf_rbd_cache_policy").unwrap();
+    d.mapper().map(&spec(&ns, "vol-wb", "img")).unwrap();
+    d.mapper().unmap("vol-wb", &[]).unwrap();
 }
 
 #[test]

@@ -79,7 +79,9 @@
 //! - `read_only` (or `ro`): map read-only, as a read-only volume does.
 //! - librbd settings for this image, each `name=value`: `rbd_cache`,
 //!   `rbd_cache_writethrough_until_flush` (`true`/`false`),
-//!   `rbd_cache_policy` (`writethrough`, `writeback`, `writearound`),
+//!   `rbd_cache_policy` (only `writethrough`, which the daemon sets anyway:
+//!   a cache that answers writes before RADOS has them would lose them when
+//!   the worker restarts, while the filesystem above sees no error),
 //!   `rbd_cache_size`, `rbd_cache_max_dirty`, `rbd_readahead_max_bytes`,
 //!   `rbd_readahead_disable_after_bytes` (bytes) and
 //!   `rbd_readahead_trigger_requests`. These change only caching and
@@ -292,6 +294,15 @@ impl FuseMapOptions {
                             ValueKind::OneOf(set) => set.join(", "),
                         };
                         return Err(bad(opt, format!("the value must be {want}")));
+                    }
+                    if name == "rbd_cache_policy" && v != "writethrough" {
+                        return Err(bad(
+                            opt,
+                            "refused: a cache that answers writes before RADOS has them \
+                             would lose them, unseen by the filesystem, when the mapper's \
+                             worker restarts; only writethrough is allowed"
+                                .into(),
+                        ));
                     }
                     out.librbd.retain(|(n, _)| n != name);
                     out.librbd.push((name.to_owned(), v.to_owned()));

@@ -20,7 +20,11 @@
 //! and every open of the file gets `FOPEN_DIRECT_IO`, so the file has no page
 //! cache; the only caches are the filesystem's page cache above the loop
 //! device and librbd's own cache. `status` reports
-//! `/sys/block/loopN/loop/dio` as `direct_io`.
+//! `/sys/block/loopN/loop/dio` as `direct_io`. librbd's cache is always
+//! write-through here (a write is answered once RADOS has it): with its
+//! default, write-around, a write was answered before it was sent, so a
+//! worker killed then lost it while the next `fsync`, served by the new
+//! worker with nothing to flush, succeeded.
 //!
 //! # State, crash and restart
 //! Two processes (see [`crate::node::fuse_supervisor`]): a supervisor that
@@ -689,7 +693,9 @@ impl Daemon {
         for (k, v) in &opts.librbd {
             options = options.set(k.clone(), v.clone());
         }
-        let cluster = options.connect()?;
+        // Last, so that nothing (an option recorded by an older version
+        // either) turns it off: see `require_write_through`.
+        let cluster = options.set("rbd_cache_policy", "writethrough").connect()?;
         self.conns
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -912,6 +918,9 @@ impl Daemon {
                 (None, true) => Image::open_read_only(&ioctx, &spec.image)?,
                 (None, false) => Image::open(&ioctx, &spec.image)?,
             };
+            if !read_only {
+                require_write_through(&image, &vol)?;
+            }
             if let Some(old) = before_restart.as_ref().filter(|_| !read_only) {
                 break_dead_lock(&image, old);
             }
@@ -1219,6 +1228,32 @@ fn addr_nonce(addr: &str) -> Option<&str> {
         .find(|c: char| !c.is_ascii_digit())
         .unwrap_or(tail.len());
     (end > 0).then(|| &tail[..end])
+}
+
+/// Refuses a writable mapping whose librbd cache would answer a write
+/// before RADOS has it (`writeback`, or `writearound`, librbd's default).
+/// The worker's restart is invisible to the filesystem above, so such a
+/// write would be lost with the dead worker while the next `fsync` (served
+/// by the new worker, with nothing to flush) succeeds. The connection sets
+/// `writethrough`; this catches a pool or image override (`rbd config pool
+/// set`) that would win over it.
+fn require_write_through(image: &Image, volume: &str) -> Result<()> {
+    let config = image.config_list()?;
+    let value = |name: &str| config.iter().find(|o| o.name == name);
+    let cache_on = value("rbd_cache").is_none_or(|o| o.value == "true");
+    match value("rbd_cache_policy") {
+        Some(p) if cache_on && p.value != "writethrough" => Err(Error::invalid(
+            "attach",
+            volume,
+            format!(
+                "the image's rbd_cache_policy is {} (a {:?}-level override): a write \
+                 that librbd's cache answered would be lost if the mapper's worker \
+                 restarted; remove the override or set it to writethrough",
+                p.value, p.source
+            ),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// A killed daemon leaves its exclusive lock behind, and librbd would wait
