@@ -223,6 +223,11 @@ impl Context {
         *self.class_cache.lock().unwrap_or_else(|e| e.into_inner()) = store;
     }
 
+    /// Every PV in the watch cache, once it has synced.
+    pub fn cached_pvs(&self) -> Option<Vec<Arc<PersistentVolume>>> {
+        synced(&self.pv_cache).map(|s| s.state())
+    }
+
     /// Whether a claim not handed over yet (no storage-provisioner
     /// annotation) may be provisioned now. kube-controller-manager's binder
     /// writes that annotation once it has found no PV to bind the claim to,

@@ -59,32 +59,26 @@ pub async fn run(ctx: Arc<Context>, delay: Duration, interval: Duration, op_time
 /// and snapshots purged.
 pub async fn pass(ctx: &Context, op_timeout: Duration) -> Result<(usize, usize), String> {
     let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
-    let list = pvs
-        .list(&ListParams::default())
-        .await
-        .map_err(|e| format!("Kubernetes API: {e}"))?;
-    let mut places: BTreeMap<(String, String, String), (VolumeId, SecretRef)> = BTreeMap::new();
-    let mut pending = Vec::new();
-    for pv in &list.items {
-        let Some(Ok(vol)) = our_volume(pv, &ctx.name) else {
-            continue;
-        };
-        let Some(secret) = deletion_secret(pv) else {
-            continue;
-        };
-        if pv.annotations().contains_key(PV_FLATTEN_ANNOTATION)
-            && pv.metadata.deletion_timestamp.is_none()
-        {
-            pending.push((pv.name_any(), vol.clone(), secret.clone()));
+    let mut survey = Survey::default();
+    // The watch cache already holds every PV: a LIST of them all would hold
+    // a second copy, and at 1000 PVs that was the provisioner's peak.
+    if let Some(cached) = ctx.cached_pvs() {
+        cached.iter().for_each(|pv| survey.add(pv, &ctx.name));
+    } else {
+        let mut params = ListParams::default().limit(crate::provisioner::LIST_PAGE_SIZE);
+        loop {
+            let page = pvs
+                .list(&params)
+                .await
+                .map_err(|e| format!("Kubernetes API: {e}"))?;
+            page.items.iter().for_each(|pv| survey.add(pv, &ctx.name));
+            match page.metadata.continue_.filter(|t| !t.is_empty()) {
+                Some(token) => params = params.continue_token(&token),
+                None => break,
+            }
         }
-        places
-            .entry((
-                vol.cluster_id.clone(),
-                vol.pool.clone(),
-                vol.rados_namespace.clone(),
-            ))
-            .or_insert((vol, secret));
     }
+    let Survey { places, pending } = survey;
     let mut flattened = 0;
     let mut errors = Vec::new();
     for (pv_name, vol, secret) in pending.into_iter().take(MAX_FLATTENS) {
@@ -114,6 +108,39 @@ pub async fn pass(ctx: &Context, op_timeout: Duration) -> Result<(usize, usize),
         Ok((flattened, purged))
     } else {
         Err(errors.join("; "))
+    }
+}
+
+/// What a pass works on, gathered from the PVs.
+#[derive(Default)]
+struct Survey {
+    /// One of our volumes (and its secret) per cluster, pool and namespace.
+    places: BTreeMap<(String, String, String), (VolumeId, SecretRef)>,
+    /// Our PVs waiting for a background flatten.
+    pending: Vec<(String, VolumeId, SecretRef)>,
+}
+
+impl Survey {
+    fn add(&mut self, pv: &PersistentVolume, provisioner: &str) {
+        let Some(Ok(vol)) = our_volume(pv, provisioner) else {
+            return;
+        };
+        let Some(secret) = deletion_secret(pv) else {
+            return;
+        };
+        if pv.annotations().contains_key(PV_FLATTEN_ANNOTATION)
+            && pv.metadata.deletion_timestamp.is_none()
+        {
+            self.pending
+                .push((pv.name_any(), vol.clone(), secret.clone()));
+        }
+        self.places
+            .entry((
+                vol.cluster_id.clone(),
+                vol.pool.clone(),
+                vol.rados_namespace.clone(),
+            ))
+            .or_insert((vol, secret));
     }
 }
 

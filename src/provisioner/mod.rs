@@ -439,7 +439,7 @@ pub async fn run_until(
 /// Objects per page of the initial LIST: a page is held twice (the response
 /// and the decoded objects) before the cache takes it, so smaller pages keep
 /// the peak low; 100 is still few round trips for thousands of objects.
-const LIST_PAGE_SIZE: u32 = 100;
+pub(crate) const LIST_PAGE_SIZE: u32 = 100;
 
 /// A watch of every `K` whose objects are cached without their
 /// `managedFields` and `last-applied-configuration` annotation, which the
