@@ -88,7 +88,10 @@ async fn repeats_join_one_series_per_object_and_reason() {
     assert_eq!(series.metadata.name, first[0].metadata.name);
     assert_eq!(series.series.as_ref().unwrap().count, 4);
     assert_eq!(series.reason.as_deref(), Some("ProvisioningFailed"));
-    assert_eq!(series.regarding.as_ref().unwrap().name.as_deref(), Some("a"));
+    assert_eq!(
+        series.regarding.as_ref().unwrap().name.as_deref(),
+        Some("a")
+    );
     assert_eq!(series.type_.as_deref(), Some("Warning"));
     assert_eq!(
         series.reporting_controller.as_deref(),

@@ -835,6 +835,11 @@ impl Daemon {
             (None, false) => Image::open(&ioctx, &rec.image)?,
         };
         if !rec.read_only {
+            // Refusing here would leave the mounted filesystem's I/O waiting
+            // for good; an override made since the attach is only reported.
+            if let Err(e) = require_write_through(&image, &rec.volume_id) {
+                tracing::error!(volume = %rec.volume_id, error = %e, "serving it anyway");
+            }
             break_dead_lock(&image, rec);
         }
         let size = image.size()?;
