@@ -110,9 +110,9 @@ def mon_host(conf):
 
 def fsync_path(path):
     """One untimed flush through the whole stack: for a loop device it
-    becomes a FUSE FSYNC and then a librbd flush, which switches librbd's
-    cache from write-through to write-back (`rbd cache writethrough until
-    flush`), as `rbd bench` does at open."""
+    becomes a FUSE FSYNC and then a librbd flush, which ends librbd's
+    write-through-until-flush phase, as `rbd bench` does at open (for
+    `rbd-fuse`; the mapper's cache stays write-through)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -512,8 +512,11 @@ def render(results, summary, cfg, fmt_ratio, fmt_num):
              "`/dev/loopN` of `rbdkit fuse-mapper` (attach, one untimed fsync, fio, detach); "
              "*mapper, ext4 file*: a file in ext4 mounted on that device; *rbd-fuse + loop*: "
              "`rbd-fuse` (Ceph 16.2, libfuse 2, as shipped) with `losetup --direct-io=on` on its "
-             "image file. The untimed fsync switches librbd's cache to write-back, as `rbd bench` "
-             f"does at open. {cfg['node_rounds']} rounds, contenders interleaved. Columns: "
+             "image file. The untimed fsync ends librbd's write-through-until-flush phase, as "
+             "`rbd bench` does at open, so `rbd bench` and `rbd-fuse` answer writes from librbd's "
+             "write-around cache; the mapper's cache is always write-through (a write is "
+             "answered once RADOS has it). "
+             f"{cfg['node_rounds']} rounds, contenders interleaved. Columns: "
              "throughput over `rbd bench`'s in the same round, median (min–max).")
     L.append("")
     L.append("| workload | rbd bench IOPS (MiB/s) | mapper, block | mapper, ext4 file | "
