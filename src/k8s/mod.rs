@@ -8,10 +8,12 @@
 //! - [`leader`]: leader election on a `coordination.k8s.io` Lease;
 //! - [`health`]: the `/healthz`, `/readyz` and `/metrics` HTTP server;
 //! - [`client`]: building a client from a kubeconfig file or the pod's
-//!   service account.
+//!   service account;
+//! - [`compact`]: objects kept compactly in watch caches.
 
 pub mod backoff;
 pub mod client;
+pub mod compact;
 pub mod events;
 pub mod health;
 pub mod leader;

@@ -31,6 +31,7 @@ use serde_json::json;
 
 use crate::blocking::BlockingPool;
 use crate::k8s::backoff::{before_work, FailureCounts, RateLimiter};
+use crate::k8s::compact::{Compact, PvDigest};
 use crate::k8s::events::Events;
 use crate::k8s::quantity::{bytes_quantity, parse_bytes, parse_whole_bytes, round_up_mib, MIB};
 use crate::provisioner::metrics::Metrics;
@@ -63,6 +64,11 @@ pub const ANN_SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
 /// PV annotation: its clone is past the soft depth limit and is to be
 /// flattened in the background (removed once done).
 pub const PV_FLATTEN_ANNOTATION: &str = "rbdkit.io/flatten-pending";
+
+/// A claim as the claim cache keeps it.
+pub type CachedClaim = Compact<PersistentVolumeClaim>;
+/// A PV as the PV cache keeps it.
+pub type CachedPv = Compact<PersistentVolume>;
 
 /// A failed reconcile; the message has already been reported (event, log).
 #[derive(Debug)]
@@ -120,7 +126,7 @@ pub struct Context {
     /// The volume controller's PV cache while leading (set by
     /// [`Context::set_pv_cache`]), so provisioning need not GET a PV it
     /// expects not to exist.
-    pv_cache: Mutex<Option<Store<PersistentVolume>>>,
+    pv_cache: Mutex<Option<Store<CachedPv>>>,
     /// The StorageClass watch's cache while leading, so a claim of one of
     /// our classes can be taken before the binder hands it over.
     class_cache: Mutex<Option<Store<StorageClass>>>,
@@ -213,7 +219,7 @@ impl Context {
 
     /// Uses `store` (the PV watch's cache, once it is ready) to look up PVs
     /// by name instead of a GET.
-    pub fn set_pv_cache(&self, store: Option<Store<PersistentVolume>>) {
+    pub fn set_pv_cache(&self, store: Option<Store<CachedPv>>) {
         *self.pv_cache.lock().unwrap_or_else(|e| e.into_inner()) = store;
     }
 
@@ -224,7 +230,7 @@ impl Context {
     }
 
     /// Every PV in the watch cache, once it has synced.
-    pub fn cached_pvs(&self) -> Option<Vec<Arc<PersistentVolume>>> {
+    pub fn cached_pvs(&self) -> Option<Vec<Arc<CachedPv>>> {
         synced(&self.pv_cache).map(|s| s.state())
     }
 
@@ -261,9 +267,16 @@ impl Context {
         let own = pv_name_for(claim);
         let namespace = claim.namespace().unwrap_or_default();
         let name = claim.name_any();
-        !pvs.state()
-            .iter()
-            .any(|pv| could_be_bound_to(pv, class, &namespace, &name, own.as_deref()))
+        !pvs.state().iter().any(|pv| {
+            could_be_bound_to(
+                pv.meta(),
+                pv.digest(),
+                class,
+                &namespace,
+                &name,
+                own.as_deref(),
+            )
+        })
     }
 
     /// The PV named `name`: from the cache when it is set and synced, else
@@ -278,7 +291,7 @@ impl Context {
     ) -> Result<Option<PersistentVolume>, kube::Error> {
         let cached = synced(&self.pv_cache);
         if let Some(pv) = cached.as_ref().and_then(|s| s.get(&ObjectRef::new(name))) {
-            return Ok(Some((*pv).clone()));
+            return decode(&pv).map(Some);
         }
         if cached.is_some() && !fresh {
             return Ok(None);
@@ -382,36 +395,41 @@ where
         })
 }
 
-/// Whether the binder could bind claim `namespace/name` of `class` to `pv`
-/// rather than have it provisioned: a PV of that class that is free, or
-/// pre-bound to the claim and not the one we would make (`own`).
+/// Whether the binder could bind claim `namespace/name` of `class` to the PV
+/// with metadata `meta` and digest `pv` rather than have it provisioned: a
+/// PV of that class that is free, or pre-bound to the claim and not the one
+/// we would make (`own`).
 pub(crate) fn could_be_bound_to(
-    pv: &PersistentVolume,
+    meta: &kube::api::ObjectMeta,
+    pv: &PvDigest,
     class: &str,
     namespace: &str,
     name: &str,
     own: Option<&str>,
 ) -> bool {
-    let Some(spec) = pv.spec.as_ref() else {
-        return false;
-    };
-    if spec.storage_class_name.as_deref() != Some(class) || pv.metadata.name.as_deref() == own {
+    if pv.class.as_deref() != Some(class) || meta.name.as_deref() == own {
         return false;
     }
-    let phase = pv.status.as_ref().and_then(|s| s.phase.as_deref());
-    if matches!(phase, Some("Released" | "Failed")) || pv.metadata.deletion_timestamp.is_some() {
+    if matches!(pv.phase.as_deref(), Some("Released" | "Failed"))
+        || meta.deletion_timestamp.is_some()
+    {
         return false;
     }
-    match &spec.claim_ref {
+    match &pv.claim {
         None => true,
-        Some(r) => {
-            r.namespace.as_deref().unwrap_or_default() == namespace
-                && r.name.as_deref() == Some(name)
-        }
+        Some((ns, n)) => &**ns == namespace && &**n == name,
     }
 }
 
-fn claim_key(claim: &PersistentVolumeClaim) -> String {
+/// The object a cache entry holds, decoded.
+fn decode<K>(c: &Compact<K>) -> Result<K, kube::Error>
+where
+    K: crate::k8s::compact::Digest + serde::Serialize + serde::de::DeserializeOwned + Resource,
+{
+    c.decode().map_err(kube::Error::SerdeError)
+}
+
+fn claim_key(claim: &impl Resource) -> String {
     format!(
         "{}/{}",
         claim.namespace().unwrap_or_default(),
@@ -593,9 +611,10 @@ async fn drop_claim_finalizer(
 
 /// Reconciles a claim: provisions it, expands it, or cleans up after it.
 pub async fn reconcile_claim(
-    claim: Arc<PersistentVolumeClaim>,
+    claim: Arc<CachedClaim>,
     ctx: Arc<Context>,
 ) -> Result<Action, ReconcileError> {
+    let claim = decode(&claim)?;
     let out = ctx.limiter.scoped(claim_inner(&claim, &ctx)).await;
     if out.is_ok() {
         ctx.claim_failures.succeeded(&claim_key(&claim));
@@ -605,11 +624,11 @@ pub async fn reconcile_claim(
 
 /// Requeues a failed claim after its backoff.
 pub fn claim_error_policy(
-    claim: Arc<PersistentVolumeClaim>,
+    claim: Arc<CachedClaim>,
     err: &ReconcileError,
     ctx: Arc<Context>,
 ) -> Action {
-    let key = claim_key(&claim);
+    let key = claim_key(&*claim);
     let delay = ctx.claim_failures.failed(&key);
     tracing::warn!(claim = %key, error = %err, retry_in = ?delay, "claim not done; will retry");
     Action::requeue(delay)
@@ -1368,10 +1387,8 @@ fn resize_unfinished(claim: &PersistentVolumeClaim) -> bool {
 
 /// Reconciles a PV: deletes the volume of a released PV with reclaim policy
 /// Delete, or just lets go of a retained one.
-pub async fn reconcile_pv(
-    pv: Arc<PersistentVolume>,
-    ctx: Arc<Context>,
-) -> Result<Action, ReconcileError> {
+pub async fn reconcile_pv(pv: Arc<CachedPv>, ctx: Arc<Context>) -> Result<Action, ReconcileError> {
+    let pv = decode(&pv)?;
     let Some(vol) = our_volume(&pv, &ctx.name).or_else(|| ctx.legacy_volume(&pv)) else {
         return Ok(Action::await_change());
     };
@@ -1384,11 +1401,7 @@ pub async fn reconcile_pv(
 }
 
 /// Requeues a failed PV after its backoff.
-pub fn pv_error_policy(
-    pv: Arc<PersistentVolume>,
-    err: &ReconcileError,
-    ctx: Arc<Context>,
-) -> Action {
+pub fn pv_error_policy(pv: Arc<CachedPv>, err: &ReconcileError, ctx: Arc<Context>) -> Action {
     let name = pv.name_any();
     let delay = ctx.pv_failures.failed(&name);
     tracing::warn!(pv = %name, error = %err, retry_in = ?delay, "volume not done; will retry");
@@ -1486,12 +1499,7 @@ async fn delete_steps(
 mod tests {
     use super::*;
 
-    fn pv(
-        name: &str,
-        class: &str,
-        claim: Option<(&str, &str)>,
-        phase: Option<&str>,
-    ) -> PersistentVolume {
+    fn pv(name: &str, class: &str, claim: Option<(&str, &str)>, phase: Option<&str>) -> CachedPv {
         serde_json::from_value(json!({
             "metadata": {"name": name},
             "spec": {
@@ -1506,7 +1514,8 @@ mod tests {
     #[test]
     fn only_a_free_or_pre_bound_pv_of_the_class_holds_a_claim_back() {
         let own = Some("pvc-1");
-        let bound = |p: &PersistentVolume| could_be_bound_to(p, "fast", "ns", "data", own);
+        let bound =
+            |p: &CachedPv| could_be_bound_to(p.meta(), p.digest(), "fast", "ns", "data", own);
         // Free, of the class: the binder may choose it.
         assert!(bound(&pv("static", "fast", None, Some("Available"))));
         assert!(bound(&pv("static", "fast", None, None)));

@@ -63,7 +63,13 @@ pub async fn pass(ctx: &Context, op_timeout: Duration) -> Result<(usize, usize),
     // The watch cache already holds every PV: a LIST of them all would hold
     // a second copy, and at 1000 PVs that was the provisioner's peak.
     if let Some(cached) = ctx.cached_pvs() {
-        cached.iter().for_each(|pv| survey.add(pv, &ctx.name));
+        for pv in cached {
+            // Decoded one at a time, so only one full PV is held at once.
+            match pv.decode() {
+                Ok(pv) => survey.add(&pv, &ctx.name),
+                Err(e) => return Err(format!("cached PV {}: {e}", pv.name_any())),
+            }
+        }
     } else {
         let mut params = ListParams::default().limit(crate::provisioner::LIST_PAGE_SIZE);
         loop {

@@ -34,7 +34,6 @@ use std::time::Duration;
 use anyhow::Context as _;
 use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::runtime::{
     controller::Config as ControllerConfig, reflector, watcher, Controller, WatchStreamExt,
@@ -49,7 +48,7 @@ use crate::k8s::events::Events;
 use crate::k8s::health::Health;
 use crate::k8s::leader::{lease_name_for, validate_fence, LeaderElector, Timing};
 use crate::k8s::telemetry::{self, LogFormat};
-use crate::provisioner::controller::Context;
+use crate::provisioner::controller::{CachedClaim, CachedPv, Context};
 use crate::provisioner::metrics::Metrics;
 use crate::volume::clusters::{ClustersFile, Connections};
 use crate::volume::{Fence, NoFence};
@@ -80,15 +79,18 @@ pub struct ProvisionerArgs {
     pub log_format: LogFormat,
 
     /// How many claims and volumes are worked on at once (per kind). Most of
-    /// a provisioning is waiting on API round trips, so this sets the pace of
-    /// a burst (workers / latency: 4 gave about 10 a second on a loaded
-    /// 2-core machine); the load on the API server and Ceph is bounded by
-    /// `--rate-limit` and `--ceph-threads`, not by this.
-    #[arg(long, default_value_t = 16)]
+    /// a provisioning is waiting on API round trips, so too few would hold
+    /// a burst below `--rate-limit`; each one in flight also holds memory.
+    /// 8 kept up with the default rate limit on a loaded 2-core machine (4
+    /// too, 16 was no faster). The load on the API server and Ceph is
+    /// bounded by `--rate-limit` and `--ceph-threads`, not by this.
+    #[arg(long, default_value_t = 8)]
     pub workers: u16,
 
-    /// Threads for blocking Ceph calls.
-    #[arg(long, default_value_t = 8)]
+    /// Threads for blocking Ceph calls: at most this many run at once, each
+    /// with an open image's copy of the Ceph configuration. 4 kept up with
+    /// the default rate limit (2 too, 8 was no faster).
+    #[arg(long, default_value_t = 4)]
     pub ceph_threads: usize,
 
     /// Global rate limit on operations (reconciles that write to the API
@@ -441,11 +443,12 @@ pub async fn run_until(
 /// the peak low; 100 is still few round trips for thousands of objects.
 pub(crate) const LIST_PAGE_SIZE: u32 = 100;
 
-/// A watch of every `K` whose objects are cached without their
-/// `managedFields` and `last-applied-configuration` annotation, which the
-/// reconcilers never read and which are most of a claim's or a PV's size: the
-/// caches hold every claim and PV of the cluster.
-fn trimmed<K>(api: Api<K>) -> impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>>
+/// A watch of every `K`, its objects trimmed of what no reconciler reads
+/// ([`crate::k8s::compact::trim`]). `K` is small or [`crate::k8s::compact::Compact`]: the caches
+/// hold every claim and PV of the cluster.
+fn watch_all<K>(
+    api: Api<K>,
+) -> impl futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>>
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
 {
@@ -456,13 +459,7 @@ where
             .page_size(LIST_PAGE_SIZE),
     )
     .default_backoff()
-    .modify(|o: &mut K| {
-        let meta = o.meta_mut();
-        meta.managed_fields = None;
-        if let Some(a) = meta.annotations.as_mut() {
-            a.remove("kubectl.kubernetes.io/last-applied-configuration");
-        }
-    })
+    .modify(|o: &mut K| crate::k8s::compact::trim(o.meta_mut()))
 }
 
 /// Runs the claim and volume controllers until `shutdown` resolves (then
@@ -477,8 +474,8 @@ async fn run_controllers(
 ) {
     let shutdown = futures::FutureExt::shared(Box::pin(shutdown));
     let config = ControllerConfig::default().concurrency(workers);
-    let claims: Api<PersistentVolumeClaim> = Api::all(ctx.client.clone());
-    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
+    let claims: Api<CachedClaim> = Api::all(ctx.client.clone());
+    let pvs: Api<CachedPv> = Api::all(ctx.client.clone());
 
     let (claim_store, claim_writer) = reflector::store();
     let (pv_store, pv_writer) = reflector::store();
@@ -487,11 +484,11 @@ async fn run_controllers(
     ctx.set_class_cache(Some(class_store));
     // Only feeds the cache; an error (say, no list or watch on classes)
     // only means claims wait for the binder's handover.
-    let classes = trimmed(Api::<StorageClass>::all(ctx.client.clone()))
+    let classes = watch_all(Api::<StorageClass>::all(ctx.client.clone()))
         .reflect(class_writer)
         .for_each(|_| futures::future::ready(()));
     let claim_controller = Controller::for_stream(
-        trimmed(claims).reflect(claim_writer).applied_objects(),
+        watch_all(claims).reflect(claim_writer).applied_objects(),
         claim_store.clone(),
     )
     .with_config(config.clone())
@@ -503,7 +500,7 @@ async fn run_controllers(
         shutdown.clone(),
     );
     let pv_controller = Controller::for_stream(
-        trimmed(pvs).reflect(pv_writer).applied_objects(),
+        watch_all(pvs).reflect(pv_writer).applied_objects(),
         pv_store.clone(),
     )
     .with_config(config)

@@ -468,7 +468,13 @@ impl Connections {
                 // These connections only create, resize, snapshot and remove
                 // images, never read or write them: with the cache on,
                 // every open starts an object cacher and its flusher thread.
-                .set("rbd_cache", "false");
+                .set("rbd_cache", "false")
+                // Their few messages need one messenger thread, not three;
+                // and Ceph's ring of recent log entries, kept for a daemon's
+                // crash dump, is never read here. Each cost about half a
+                // MiB of resident memory (bench/analysis.md, section 5).
+                .set("ms_async_op_threads", "1")
+                .set("log_max_recent", "1");
             let started = Instant::now();
             let connected = self.pool.run(move || options.connect()).await;
             self.metrics.ceph_op("connect", started);
