@@ -305,7 +305,7 @@ def images(conf, pool):
     return set(out.split())
 
 
-def rss_by_mapping(pid, top=6):
+def rss_by_mapping(pid, top=8):
     """The largest resident mappings (KiB), by file or [heap]/[anon], from
     /proc/PID/smaps: where the provisioner's memory is."""
     sizes, name = {}, None
@@ -361,6 +361,18 @@ class Provisioner:
 
 
 FLOOR_SRC = REPO / "bench" / "rss-floor.c"
+ORDER = REPO / "link" / "rbdkit.order"
+
+
+def order_coverage(binary):
+    """How many of link/rbdkit.order's functions (those the release build
+    places first) are defined in `binary`: (found, listed)."""
+    listed = {ln.strip() for ln in ORDER.read_text().splitlines()
+              if ln.strip() and not ln.startswith("#")}
+    out = subprocess.run(["nm", "--defined-only", str(binary)], capture_output=True, text=True,
+                         timeout=120, check=True, stdin=subprocess.DEVNULL).stdout
+    defined = {f[2] for f in (ln.split() for ln in out.splitlines()) if len(f) == 3}
+    return len(listed & defined), len(listed)
 
 
 def rss_floor(conf, pool, tmpdir, cycles=50):
@@ -421,6 +433,9 @@ def run_rbdkit(kube, env, tag, n, extra, with_floor=0):
         out["released_s"] = tr.last("pv_released", t1) if tr.count("pv_released") else None
         out["peak_rss_kib"] = prov.stop()
         out["rss_at_exit_by_mapping_kib"] = prov.mappings
+        out["binary_rss_kib"] = prov.mappings.get(Path(env["bin"]).name)
+        if with_floor:
+            out["order_found"], out["order_listed"] = order_coverage(env["bin"])
         out["threads"] = prov.threads
         prov = None
         return out
@@ -614,6 +629,10 @@ def render(results, summary, cfg, fmt_ratio, fmt_num):
                  f"{rss['pvs_cached'] - rss['n']} pre-made and bound beforehand): "
                  f"**{rss['peak_rss_kib'] / 1024:.1f} MiB** (VmRSS once ready, before the "
                  f"burst: {rss['rss_idle_kib'] / 1024:.1f} MiB).")
+        if rss.get("binary_rss_kib") and rss.get("order_listed"):
+            L.append(f"Of it, the binary's own pages: {rss['binary_rss_kib'] / 1024:.1f} MiB, "
+                     f"with {rss['order_found']} of the {rss['order_listed']} functions of "
+                     "`link/rbdkit.order` placed first (see `link/README.md`).")
         fl = rss.get("floor")
         if fl:
             L.append(f"The floor under it: a C program that links only librados and librbd "
