@@ -517,17 +517,6 @@ async fn deleting_an_image_held_open_waits_until_it_is_released() {
 }
 
 /// The holder of this test's Lease.
-/// Resident KiB of process `pid`'s main-thread stack (`[stack]` in smaps).
-fn main_stack_kib(pid: u32) -> u64 {
-    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).expect("read smaps");
-    let mut lines = smaps.lines().skip_while(|l| !l.ends_with("[stack]"));
-    lines.next().expect("a [stack] mapping");
-    lines
-        .find_map(|l| l.strip_prefix("Rss:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("its Rss")
-}
-
 async fn lease_holder(env: &Env) -> Option<String> {
     let leases: Api<Lease> = Api::namespaced(env.client.clone(), &env.ns);
     let lease = leases.get_opt(&env.name).await.ok()??;
@@ -552,16 +541,6 @@ async fn with_two_processes_only_the_leader_acts() {
         (&mut b, &mut a)
     };
     assert_eq!(first, leader.identity);
-    // librados' static initializers use about 1 MiB of the main thread's
-    // stack before main(); the daemon gives those pages back.
-    for p in [&*leader, &*standby] {
-        let kib = main_stack_kib(p.pid());
-        assert!(
-            kib <= 512,
-            "{}: {kib} KiB of the main stack resident",
-            p.identity
-        );
-    }
 
     env.claim("one", &class, "8Mi", &["ReadWriteOnce"], "Filesystem")
         .await;
