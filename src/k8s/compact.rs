@@ -12,7 +12,10 @@
 //!
 //! Stored objects are trimmed of `managedFields` and the
 //! `kubectl.kubernetes.io/last-applied-configuration` annotation, which no
-//! reconciler reads and which are most of an object's size.
+//! reconciler reads and which are most of an object's size. An object no
+//! reconciler acts on (another provisioner's PV, a claim bound to one) is
+//! [stripped](Compact::strip) of its JSON too: its identity and digest are
+//! all anything reads of it.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -36,10 +39,27 @@ pub trait Digest {
     fn digest(&self) -> Self::Digest;
 }
 
-impl Digest for PersistentVolumeClaim {
-    type Digest = ();
+/// The fields of a claim that tell, once it is stripped, which PV it is
+/// bound to.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClaimDigest {
+    /// `spec.volumeName`, if set.
+    pub volume: Option<Box<str>>,
+}
 
-    fn digest(&self) {}
+impl Digest for PersistentVolumeClaim {
+    type Digest = ClaimDigest;
+
+    fn digest(&self) -> ClaimDigest {
+        ClaimDigest {
+            volume: self
+                .spec
+                .as_ref()
+                .and_then(|s| s.volume_name.as_deref())
+                .filter(|v| !v.is_empty())
+                .map(Into::into),
+        }
+    }
 }
 
 /// The fields of a PV that tell whether the PV binder could give it to a
@@ -78,13 +98,13 @@ impl Digest for PersistentVolume {
     }
 }
 
-/// An object of kind `K` as a cache keeps it: its JSON, the metadata that
-/// identifies it (name, namespace, uid, resourceVersion, deletion
-/// timestamp) and its [`Digest`].
+/// An object of kind `K` as a cache keeps it: its JSON (unless stripped),
+/// the metadata that identifies it (name, namespace, uid, resourceVersion,
+/// deletion timestamp) and its [`Digest`].
 pub struct Compact<K: Digest> {
     metadata: ObjectMeta,
     digest: K::Digest,
-    json: Box<[u8]>,
+    json: Option<Box<[u8]>>,
     kind: PhantomData<fn() -> K>,
 }
 
@@ -106,7 +126,7 @@ where
             deletion_timestamp: meta.deletion_timestamp.take(),
             ..ObjectMeta::default()
         };
-        let json = serde_json::to_vec(&obj)?.into_boxed_slice();
+        let json = Some(serde_json::to_vec(&obj)?.into_boxed_slice());
         Ok(Compact {
             metadata,
             digest,
@@ -115,9 +135,14 @@ where
         })
     }
 
-    /// The whole object (as trimmed), decoded again.
-    pub fn decode(&self) -> Result<K, serde_json::Error> {
-        let mut obj: K = serde_json::from_slice(&self.json)?;
+    /// The whole object (as trimmed), decoded again; `None` once
+    /// [stripped](Compact::strip).
+    pub fn decode(&self) -> Option<Result<K, serde_json::Error>> {
+        let json = self.json.as_deref()?;
+        Some(serde_json::from_slice(json).map(|obj| self.restore(obj)))
+    }
+
+    fn restore(&self, mut obj: K) -> K {
         let meta = obj.meta_mut();
         meta.name.clone_from(&self.metadata.name);
         meta.namespace.clone_from(&self.metadata.namespace);
@@ -126,12 +151,26 @@ where
             .clone_from(&self.metadata.resource_version);
         meta.deletion_timestamp
             .clone_from(&self.metadata.deletion_timestamp);
-        Ok(obj)
+        obj
     }
+}
 
+impl<K: Digest> Compact<K> {
     /// The fields kept decoded.
     pub fn digest(&self) -> &K::Digest {
         &self.digest
+    }
+
+    /// Drops the JSON, keeping the identity and the digest: for an object
+    /// that no reconciler acts on in this version. The next watch event for
+    /// the object brings a whole new copy.
+    pub fn strip(&mut self) {
+        self.json = None;
+    }
+
+    /// Whether [`Compact::strip`] dropped the JSON.
+    pub fn is_stripped(&self) -> bool {
+        self.json.is_none()
     }
 }
 
@@ -160,7 +199,7 @@ impl<K: Digest + kube::Resource<DynamicType = ()>> fmt::Debug for Compact<K> {
             .field("kind", &K::kind(&()))
             .field("namespace", &self.metadata.namespace)
             .field("name", &self.metadata.name)
-            .field("json_bytes", &self.json.len())
+            .field("json_bytes", &self.json.as_ref().map(|j| j.len()))
             .finish()
     }
 }
@@ -250,7 +289,7 @@ mod tests {
         assert_eq!(c.name_any(), "pvc-1");
         assert_eq!(c.uid().as_deref(), Some("u-1"));
         assert_eq!(c.resource_version().as_deref(), Some("42"));
-        let pv = c.decode().unwrap();
+        let pv = c.decode().unwrap().unwrap();
         let mut want: PersistentVolume = serde_json::from_value(pv_json()).unwrap();
         trim(&mut want.metadata);
         assert_eq!(pv, want);
@@ -273,7 +312,41 @@ mod tests {
         let m = kube::Resource::meta(&c);
         assert!(m.annotations.is_none() && m.finalizers.is_none() && m.managed_fields.is_none());
         // The full object is far larger decoded than kept.
-        assert!(c.json.len() < std::mem::size_of::<PersistentVolume>());
+        assert!(c.json.as_ref().unwrap().len() < std::mem::size_of::<PersistentVolume>());
+    }
+
+    #[test]
+    fn a_stripped_object_keeps_its_identity_and_digest_only() {
+        let mut c: Compact<PersistentVolume> = serde_json::from_value(pv_json()).unwrap();
+        let digest = c.digest().clone();
+        assert!(!c.is_stripped());
+        c.strip();
+        assert!(c.is_stripped());
+        assert!(c.decode().is_none());
+        assert_eq!(c.name_any(), "pvc-1");
+        assert_eq!(c.resource_version().as_deref(), Some("42"));
+        assert_eq!(c.digest(), &digest);
+        assert!(format!("{c:?}").contains("json_bytes: None"));
+    }
+
+    #[test]
+    fn a_claim_digest_names_its_volume() {
+        let claim = |v: serde_json::Value| -> Compact<PersistentVolumeClaim> {
+            serde_json::from_value(json!({
+                "metadata": {"name": "data", "namespace": "ns"},
+                "spec": v,
+            }))
+            .unwrap()
+        };
+        assert_eq!(
+            claim(json!({"volumeName": "pv-9"}))
+                .digest()
+                .volume
+                .as_deref(),
+            Some("pv-9")
+        );
+        assert_eq!(claim(json!({"volumeName": ""})).digest().volume, None);
+        assert_eq!(claim(json!({})).digest().volume, None);
     }
 
     #[test]

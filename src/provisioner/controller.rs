@@ -223,6 +223,52 @@ impl Context {
         *self.pv_cache.lock().unwrap_or_else(|e| e.into_inner()) = store;
     }
 
+    /// Whether the volume reconciler acts on `pv`: ours, or a legacy PV we
+    /// adopt. Depends only on the PV (`--adopt-legacy` is fixed for the
+    /// life of the process).
+    fn acts_on(&self, pv: &PersistentVolume) -> bool {
+        our_volume(pv, &self.name)
+            .or_else(|| self.legacy_volume(pv))
+            .is_some()
+    }
+
+    /// Whether the PV cache holds `name` stripped: a PV no reconciler acts
+    /// on.
+    fn foreign_pv(&self, name: &str) -> bool {
+        synced(&self.pv_cache)
+            .and_then(|s| s.get(&ObjectRef::new(name)))
+            .is_some_and(|pv| pv.is_stripped())
+    }
+
+    /// Strips a PV the volume reconciler would not act on before the cache
+    /// keeps it: another provisioner's PV is its identity and digest only
+    /// (the binder check reads no more), about 1 kB less each.
+    pub fn strip_foreign_pv(&self, pv: &mut CachedPv) {
+        if let Some(Ok(full)) = pv.decode() {
+            if !self.acts_on(&full) {
+                pv.strip();
+            }
+        }
+    }
+
+    /// Strips a claim that no reconcile can act on: not handed to us, no
+    /// finalizer of ours, and bound to a PV the cache holds stripped
+    /// ([`Context::strip_foreign_pv`]); for such a claim the claim reconcile
+    /// would only look at that PV and stop.
+    pub fn strip_foreign_claim(&self, claim: &mut CachedClaim) {
+        let Some(volume) = claim.digest().volume.as_deref() else {
+            return;
+        };
+        if !self.foreign_pv(volume) {
+            return;
+        }
+        if let Some(Ok(full)) = claim.decode() {
+            if !handed_to(&full, &self.name) {
+                claim.strip();
+            }
+        }
+    }
+
     /// Uses `store` (the StorageClass watch's cache) to tell which claims
     /// may be taken before the binder hands them over.
     pub fn set_class_cache(&self, store: Option<Store<StorageClass>>) {
@@ -290,11 +336,15 @@ impl Context {
         fresh: bool,
     ) -> Result<Option<PersistentVolume>, kube::Error> {
         let cached = synced(&self.pv_cache);
-        if let Some(pv) = cached.as_ref().and_then(|s| s.get(&ObjectRef::new(name))) {
-            return decode(&pv).map(Some);
-        }
-        if cached.is_some() && !fresh {
-            return Ok(None);
+        match cached.as_ref().map(|s| s.get(&ObjectRef::new(name))) {
+            // A stripped entry (another provisioner's PV) is asked for.
+            Some(Some(pv)) => {
+                if let Some(pv) = decode(&pv)? {
+                    return Ok(Some(pv));
+                }
+            }
+            Some(None) if !fresh => return Ok(None),
+            _ => {}
         }
         Api::<PersistentVolume>::all(self.client.clone())
             .get_opt(name)
@@ -421,12 +471,23 @@ pub(crate) fn could_be_bound_to(
     }
 }
 
-/// The object a cache entry holds, decoded.
-fn decode<K>(c: &Compact<K>) -> Result<K, kube::Error>
+/// Whether `claim` was handed to `provisioner` (its storage-provisioner
+/// annotation) or carries our finalizer: a claim our reconcile may act on
+/// whatever its PV.
+fn handed_to(claim: &PersistentVolumeClaim, provisioner: &str) -> bool {
+    let annotations = claim.annotations();
+    [ANN_STORAGE_PROVISIONER, ANN_STORAGE_PROVISIONER_BETA]
+        .iter()
+        .any(|k| annotations.get(*k).map(String::as_str) == Some(provisioner))
+        || claim.finalizers().iter().any(|f| f == CLAIM_FINALIZER)
+}
+
+/// The object a cache entry holds, decoded; `None` if it was stripped.
+fn decode<K>(c: &Compact<K>) -> Result<Option<K>, kube::Error>
 where
     K: crate::k8s::compact::Digest + serde::Serialize + serde::de::DeserializeOwned + Resource,
 {
-    c.decode().map_err(kube::Error::SerdeError)
+    c.decode().transpose().map_err(kube::Error::SerdeError)
 }
 
 fn claim_key(claim: &impl Resource) -> String {
@@ -614,7 +675,22 @@ pub async fn reconcile_claim(
     claim: Arc<CachedClaim>,
     ctx: Arc<Context>,
 ) -> Result<Action, ReconcileError> {
-    let claim = decode(&claim)?;
+    let claim = match decode(&claim)? {
+        Some(c) => c,
+        None => {
+            let volume = claim.digest().volume.as_deref().unwrap_or_default();
+            if ctx.foreign_pv(volume) {
+                return Ok(Action::await_change());
+            }
+            // Its PV changed since the claim was stripped: read it whole.
+            let api: Api<PersistentVolumeClaim> =
+                Api::namespaced(ctx.client.clone(), &claim.namespace().unwrap_or_default());
+            match api.get_opt(&claim.name_any()).await? {
+                Some(c) => c,
+                None => return Ok(Action::await_change()),
+            }
+        }
+    };
     let out = ctx.limiter.scoped(claim_inner(&claim, &ctx)).await;
     if out.is_ok() {
         ctx.claim_failures.succeeded(&claim_key(&claim));
@@ -1388,7 +1464,10 @@ fn resize_unfinished(claim: &PersistentVolumeClaim) -> bool {
 /// Reconciles a PV: deletes the volume of a released PV with reclaim policy
 /// Delete, or just lets go of a retained one.
 pub async fn reconcile_pv(pv: Arc<CachedPv>, ctx: Arc<Context>) -> Result<Action, ReconcileError> {
-    let pv = decode(&pv)?;
+    // Stripped: not ours in this version (`Context::strip_foreign_pv`).
+    let Some(pv) = decode(&pv)? else {
+        return Ok(Action::await_change());
+    };
     let Some(vol) = our_volume(&pv, &ctx.name).or_else(|| ctx.legacy_volume(&pv)) else {
         return Ok(Action::await_change());
     };
@@ -1509,6 +1588,35 @@ mod tests {
             "status": {"phase": phase},
         }))
         .unwrap()
+    }
+
+    #[test]
+    fn a_claim_is_ours_to_keep_whole_once_handed_to_us_or_finalized_by_us() {
+        let claim = |ann: serde_json::Value, fin: serde_json::Value| -> PersistentVolumeClaim {
+            serde_json::from_value(json!({
+                "metadata": {"name": "c", "namespace": "ns", "annotations": ann, "finalizers": fin},
+                "spec": {"volumeName": "pv-1"},
+            }))
+            .unwrap()
+        };
+        let us = "rbd.rbdkit.io";
+        assert!(handed_to(
+            &claim(json!({ANN_STORAGE_PROVISIONER: us}), json!([])),
+            us
+        ));
+        assert!(handed_to(
+            &claim(json!({ANN_STORAGE_PROVISIONER_BETA: us}), json!([])),
+            us
+        ));
+        assert!(handed_to(&claim(json!({}), json!([CLAIM_FINALIZER])), us));
+        assert!(!handed_to(
+            &claim(json!({ANN_STORAGE_PROVISIONER: "other.io"}), json!([])),
+            us
+        ));
+        assert!(!handed_to(
+            &claim(json!({}), json!(["kubernetes.io/pvc-protection"])),
+            us
+        ));
     }
 
     #[test]

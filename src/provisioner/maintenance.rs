@@ -65,9 +65,11 @@ pub async fn pass(ctx: &Context, op_timeout: Duration) -> Result<(usize, usize),
     if let Some(cached) = ctx.cached_pvs() {
         for pv in cached {
             // Decoded one at a time, so only one full PV is held at once.
+            // A stripped PV is not ours: nothing to survey.
             match pv.decode() {
-                Ok(pv) => survey.add(&pv, &ctx.name),
-                Err(e) => return Err(format!("cached PV {}: {e}", pv.name_any())),
+                Some(Ok(pv)) => survey.add(&pv, &ctx.name),
+                Some(Err(e)) => return Err(format!("cached PV {}: {e}", pv.name_any())),
+                None => {}
             }
         }
     } else {

@@ -487,8 +487,12 @@ async fn run_controllers(
     let classes = watch_all(Api::<StorageClass>::all(ctx.client.clone()))
         .reflect(class_writer)
         .for_each(|_| futures::future::ready(()));
+    let strip = Arc::clone(&ctx);
     let claim_controller = Controller::for_stream(
-        watch_all(claims).reflect(claim_writer).applied_objects(),
+        watch_all(claims)
+            .modify(move |c: &mut CachedClaim| strip.strip_foreign_claim(c))
+            .reflect(claim_writer)
+            .applied_objects(),
         claim_store.clone(),
     )
     .with_config(config.clone())
@@ -499,8 +503,12 @@ async fn run_controllers(
         with_snapshots,
         shutdown.clone(),
     );
+    let strip = Arc::clone(&ctx);
     let pv_controller = Controller::for_stream(
-        watch_all(pvs).reflect(pv_writer).applied_objects(),
+        watch_all(pvs)
+            .modify(move |pv: &mut CachedPv| strip.strip_foreign_pv(pv))
+            .reflect(pv_writer)
+            .applied_objects(),
         pv_store.clone(),
     )
     .with_config(config)
