@@ -223,13 +223,11 @@ impl Context {
         *self.pv_cache.lock().unwrap_or_else(|e| e.into_inner()) = store;
     }
 
-    /// Whether the volume reconciler acts on `pv`: ours, or a legacy PV we
-    /// adopt. Depends only on the PV (`--adopt-legacy` is fixed for the
-    /// life of the process).
-    fn acts_on(&self, pv: &PersistentVolume) -> bool {
-        our_volume(pv, &self.name)
-            .or_else(|| self.legacy_volume(pv))
-            .is_some()
+    /// The volume of a PV the reconcilers act on: ours, or a legacy PV we
+    /// adopt; `None` for any other. Depends only on the PV
+    /// (`--adopt-legacy` is fixed for the life of the process).
+    fn volume_of(&self, pv: &PersistentVolume) -> Option<Result<VolumeId, String>> {
+        our_volume(pv, &self.name).or_else(|| self.legacy_volume(pv))
     }
 
     /// Whether the PV cache holds `name` stripped: a PV no reconciler acts
@@ -245,7 +243,7 @@ impl Context {
     /// (the binder check reads no more), about 1 kB less each.
     pub fn strip_foreign_pv(&self, pv: &mut CachedPv) {
         if let Some(Ok(full)) = pv.decode() {
-            if !self.acts_on(&full) {
+            if self.volume_of(&full).is_none() {
                 pv.strip();
             }
         }
@@ -475,11 +473,16 @@ pub(crate) fn could_be_bound_to(
 /// annotation) or carries our finalizer: a claim our reconcile may act on
 /// whatever its PV.
 fn handed_to(claim: &PersistentVolumeClaim, provisioner: &str) -> bool {
+    for_provisioner(claim, provisioner) || claim.finalizers().iter().any(|f| f == CLAIM_FINALIZER)
+}
+
+/// Whether `claim`'s storage-provisioner annotation (either form) names
+/// `provisioner`.
+fn for_provisioner(claim: &PersistentVolumeClaim, provisioner: &str) -> bool {
     let annotations = claim.annotations();
     [ANN_STORAGE_PROVISIONER, ANN_STORAGE_PROVISIONER_BETA]
         .iter()
         .any(|k| annotations.get(*k).map(String::as_str) == Some(provisioner))
-        || claim.finalizers().iter().any(|f| f == CLAIM_FINALIZER)
 }
 
 /// The object a cache entry holds, decoded; `None` if it was stripped.
@@ -714,10 +717,7 @@ async fn claim_inner(
     claim: &PersistentVolumeClaim,
     ctx: &Context,
 ) -> Result<Action, ReconcileError> {
-    let annotations = claim.annotations();
-    let for_us = [ANN_STORAGE_PROVISIONER, ANN_STORAGE_PROVISIONER_BETA]
-        .iter()
-        .any(|k| annotations.get(*k) == Some(&ctx.name));
+    let for_us = for_provisioner(claim, &ctx.name);
     let has_finalizer = claim.finalizers().iter().any(|f| f == CLAIM_FINALIZER);
     if claim.metadata.deletion_timestamp.is_some() {
         if has_finalizer && for_us {
@@ -1214,7 +1214,7 @@ async fn expand(
     let Some(pv) = pvs.get_opt(pv_name).await? else {
         return Ok(Action::await_change());
     };
-    let Some(Ok(vol)) = our_volume(&pv, &ctx.name).or_else(|| ctx.legacy_volume(&pv)) else {
+    let Some(Ok(vol)) = ctx.volume_of(&pv) else {
         return Ok(Action::await_change());
     };
     let class_name = claim
@@ -1468,7 +1468,7 @@ pub async fn reconcile_pv(pv: Arc<CachedPv>, ctx: Arc<Context>) -> Result<Action
     let Some(pv) = decode(&pv)? else {
         return Ok(Action::await_change());
     };
-    let Some(vol) = our_volume(&pv, &ctx.name).or_else(|| ctx.legacy_volume(&pv)) else {
+    let Some(vol) = ctx.volume_of(&pv) else {
         return Ok(Action::await_change());
     };
     let name = pv.name_any();
