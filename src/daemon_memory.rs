@@ -1,0 +1,277 @@
+//! The resident memory of the `rbdkit` binary's long-lived daemons (a
+//! module of the binary, `src/main.rs`, not of the library).
+
+/// Shapes a control-path daemon's memory (the provisioner, the CSI
+/// driver): one glibc malloc arena, and the start-up part of the main
+/// thread's stack and of the code returned to the kernel. Call it first in
+/// `main`, while the process has one thread.
+///
+/// By default glibc gives threads arenas of their own (up to 16 here), and
+/// each arena's free pages stay resident. These daemons' threads (runtime,
+/// Ceph pool, librados) allocate little, so sharing one arena costs no
+/// measurable time and leaves less memory stranded (bench/analysis.md,
+/// section 5).
+pub(crate) fn control_daemon() {
+    // SAFETY: mallopt(3) (glibc) may be called at any time with any value;
+    // M_ARENA_MAX only limits how many arenas later allocations create, and
+    // on failure (return 0) the defaults stay.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+    }
+    release_startup_stack();
+    if threads() == Some(1) {
+        release_startup_code();
+    }
+}
+
+/// The number of threads in this process (`Threads:` in
+/// `/proc/self/status`).
+fn threads() -> Option<u32> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Returns to the kernel the pages of the main thread's stack that start-up
+/// used and nothing uses now. librados's static initializers build Ceph's
+/// table of some 2000 options on this stack before `main` runs: about 1 MiB
+/// that would otherwise stay resident for the life of the daemon.
+pub(crate) fn release_startup_stack() {
+    const PAGE: usize = 4096;
+    // Room for this function's own calls below the current frame.
+    const MARGIN: usize = 64 * 1024;
+    let marker = 0u8;
+    let here = std::hint::black_box(&marker) as *const u8 as usize;
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        return;
+    };
+    let Some(low) = maps
+        .lines()
+        .find(|l| l.ends_with("[stack]"))
+        .and_then(|l| l.split('-').next())
+        .and_then(|a| usize::from_str_radix(a, 16).ok())
+    else {
+        return;
+    };
+    let end = here.saturating_sub(MARGIN) & !(PAGE - 1);
+    if end <= low {
+        return;
+    }
+    // SAFETY: [low, end) is the part of the main thread's stack mapping
+    // ("[stack]" in /proc/self/maps) below this frame minus a margin, and
+    // this is the main thread: nothing live is stored below the stack
+    // pointer (past the 128-byte red zone), and no other thread uses this
+    // stack. madvise(2) MADV_DONTNEED on private anonymous memory only makes
+    // the next touch of each page a fresh zero-filled one, which is what an
+    // unused stack page is.
+    unsafe {
+        libc::madvise(low as *mut libc::c_void, end - low, libc::MADV_DONTNEED);
+    }
+}
+
+/// Drops from this process's resident set the pages of its ELF objects (the
+/// binary, librados, librbd, libceph-common and the rest) that are still
+/// exactly the file's contents, so that only code and constants that run
+/// again come back.
+///
+/// Start-up reads much that is never read again. The libraries are bound
+/// at load (`BIND_NOW`), so the dynamic linker reads every one's symbol
+/// tables and relocations (libceph-common's symbol names alone are 1.5 MB),
+/// and Ceph's static initializers build its table of some 2000 options with
+/// about 0.5 MB of generated code; Linux maps 64 KiB around every page
+/// fault in a file, so whole windows of neighbours stay resident with them.
+/// In the burst benchmark this took 17 MiB off the idle provisioner and
+/// 9 MiB off its peak (bench/analysis.md, section 5).
+///
+/// Only mappings that are not writable, belong to a shared object or the
+/// executable, and have no private (copy-on-write) page are touched, so no
+/// relocated or written byte can be lost: a dropped page is read back from
+/// the file on its next use. Call it while nothing can map or unmap a
+/// library (in `main`, before any other thread exists): a library loaded
+/// meanwhile could be mapped over a range already read as clean. Returns
+/// the bytes of the mappings it released.
+pub(crate) fn release_startup_code() -> usize {
+    let Ok(smaps) = std::fs::read_to_string("/proc/self/smaps") else {
+        return 0;
+    };
+    let exe = std::fs::read_link("/proc/self/exe").ok();
+    let mut released = 0;
+    for (start, end) in clean_object_mappings(&smaps, exe.as_deref()) {
+        // SAFETY: [start, end) is one whole mapping listed in
+        // /proc/self/smaps: private, not writable, of a shared object or the
+        // executable, with no anonymous (copy-on-write) page, so every page
+        // in it equals the file's bytes at its offset and, not being
+        // writable, cannot become private before this call. madvise(2)
+        // MADV_DONTNEED on such a private file mapping only unmaps the
+        // pages; the next access reads them from the file again (the
+        // objects are not truncated while mapped: package managers replace
+        // them by rename). Nothing maps or unmaps objects meanwhile (the
+        // function's doc).
+        let rc =
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
+        if rc == 0 {
+            released += end - start;
+        }
+    }
+    released
+}
+
+/// The `(start, end)` of each mapping in `smaps` (the format of
+/// `/proc/PID/smaps`) that is private and not writable, of a file named
+/// like a shared object (`*.so`, `*.so.*`) or equal to `exe`, and has
+/// `Anonymous: 0 kB`.
+fn clean_object_mappings(smaps: &str, exe: Option<&std::path::Path>) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut current: Option<(usize, usize)> = None;
+    for line in smaps.lines() {
+        let mut fields = line.split_ascii_whitespace();
+        let Some(first) = fields.next() else { continue };
+        if let Some((a, b)) = first.split_once('-') {
+            let (Ok(start), Ok(end)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+            else {
+                current = None;
+                continue;
+            };
+            let perms = fields.next().unwrap_or("").as_bytes();
+            // After offset, device and inode comes the path, if any.
+            let path = fields.skip(3).collect::<Vec<_>>().join(" ");
+            let private_read_only = perms.get(1) == Some(&b'-') && perms.get(3) == Some(&b'p');
+            current = (private_read_only && is_object(&path, exe)).then_some((start, end));
+        } else if first == "Anonymous:" {
+            if let Some(range) = current.take() {
+                if fields.next() == Some("0") {
+                    out.push(range);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Whether `path` names a shared object or the executable.
+fn is_object(path: &str, exe: Option<&std::path::Path>) -> bool {
+    if !path.starts_with('/') || path.ends_with(" (deleted)") {
+        return false;
+    }
+    if exe.is_some_and(|e| e == std::path::Path::new(path)) {
+        return true;
+    }
+    let name = path.rsplit('/').next().unwrap_or("");
+    name.ends_with(".so") || name.contains(".so.")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SMAPS: &str = "\
+55d0c0000000-55d0c0100000 r--p 00000000 fe:01 123 /usr/bin/rbdkit
+Size:               1024 kB
+Anonymous:             0 kB
+55d0c0100000-55d0c0200000 r-xp 00100000 fe:01 123 /usr/bin/rbdkit
+Size:               1024 kB
+Anonymous:             0 kB
+55d0c0200000-55d0c0210000 r--p 00200000 fe:01 123 /usr/bin/rbdkit
+Size:                 64 kB
+Anonymous:            60 kB
+55d0c0210000-55d0c0220000 rw-p 00210000 fe:01 123 /usr/bin/rbdkit
+Anonymous:             0 kB
+7f0000000000-7f0000100000 r-xp 00000000 fe:01 456 /usr/lib/x86_64-linux-gnu/ceph/libceph-common.so.2
+Anonymous:             0 kB
+7f0000100000-7f0000200000 r-xp 00000000 fe:01 457 /usr/lib/x86_64-linux-gnu/libfoo.so
+Anonymous:             4 kB
+7f0000200000-7f0000300000 r--p 00000000 fe:01 458 /usr/lib/locale/locale-archive
+Anonymous:             0 kB
+7f0000300000-7f0000400000 r--p 00000000 00:00 0 
+Anonymous:             0 kB
+7f0000400000-7f0000500000 r-xs 00000000 fe:01 459 /dev/shm/lib.so
+Anonymous:             0 kB
+7f0000500000-7f0000600000 r-xp 00000000 fe:01 460 /opt/my lib/libbar.so.1 (deleted)
+Anonymous:             0 kB
+7ffc00000000-7ffc00002000 r-xp 00000000 00:00 0 [vdso]
+Anonymous:             0 kB
+";
+
+    #[test]
+    fn only_clean_read_only_private_object_mappings() {
+        let exe = std::path::Path::new("/usr/bin/rbdkit");
+        assert_eq!(
+            clean_object_mappings(SMAPS, Some(exe)),
+            vec![
+                (0x55d0c0000000, 0x55d0c0100000),
+                (0x55d0c0100000, 0x55d0c0200000),
+                (0x7f0000000000, 0x7f0000100000),
+            ]
+        );
+        // Without knowing the executable, only the libraries qualify.
+        assert_eq!(
+            clean_object_mappings(SMAPS, None),
+            vec![(0x7f0000000000, 0x7f0000100000)]
+        );
+    }
+
+    #[test]
+    fn counts_threads() {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let t = std::thread::spawn(move || rx.recv());
+        assert!(threads().unwrap() >= 2);
+        drop(tx);
+        t.join().unwrap().unwrap_err();
+    }
+
+    #[test]
+    fn released_pages_read_back_unchanged() {
+        // A constant in this test binary's read-only data, read before and
+        // after its pages are dropped.
+        static TABLE: [u64; 4096] = {
+            let mut t = [0u64; 4096];
+            let mut i = 0;
+            while i < t.len() {
+                t[i] = (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+                i += 1;
+            }
+            t
+        };
+        let before: u64 = std::hint::black_box(&TABLE).iter().fold(0, |a, v| a ^ v);
+        let resident_before = clean_object_rss_kib();
+        assert!(release_startup_code() > 0);
+        let resident_after = clean_object_rss_kib();
+        assert!(
+            resident_after < resident_before / 2,
+            "the clean object mappings' resident pages went from {resident_before} \
+             to only {resident_after} KiB"
+        );
+        let after: u64 = std::hint::black_box(&TABLE).iter().fold(0, |a, v| a ^ v);
+        assert_eq!(before, after);
+    }
+
+    /// The resident KiB of the mappings [`release_startup_code`] releases.
+    fn clean_object_rss_kib() -> u64 {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let exe = std::fs::read_link("/proc/self/exe").unwrap();
+        let clean = clean_object_mappings(&smaps, Some(&exe));
+        let mut total = 0;
+        let mut counted = false;
+        for line in smaps.lines() {
+            if let Some((a, b)) = line.split_once(' ').and_then(|(r, _)| r.split_once('-')) {
+                let range = (
+                    usize::from_str_radix(a, 16).unwrap_or(0),
+                    usize::from_str_radix(b, 16).unwrap_or(0),
+                );
+                counted = clean.contains(&range);
+            } else if counted && line.starts_with("Rss:") {
+                total += line
+                    .split_ascii_whitespace()
+                    .nth(1)
+                    .unwrap()
+                    .parse::<u64>()
+                    .unwrap();
+            }
+        }
+        total
+    }
+}
