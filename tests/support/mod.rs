@@ -2,6 +2,7 @@
 //! Kubernetes control plane, both started by the project's own scripts.
 #![allow(dead_code)]
 
+pub mod aio;
 pub mod artifacts;
 pub mod ceph;
 #[cfg(feature = "service")]

@@ -1,0 +1,41 @@
+//! The service layers against the real parts: the volume layer, the
+//! provisioner and the CSI driver against a real Ceph cluster, a real API
+//! server, real mounts and a real kubelet node (`support::node`), each
+//! started once for the whole binary.
+//!
+//! One binary for the group, so the suite links once (issue 29).
+//! `tests/node_deployed.rs` is a binary of its own: it runs a second kubelet
+//! on this machine, which must not overlap the shared node here.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod csi_controller;
+mod csi_deploy;
+mod csi_krbd;
+mod csi_node;
+mod csi_sanity;
+mod gc;
+mod helm_chart;
+mod k8s_control_plane;
+mod k8s_events;
+mod migrate;
+mod node_e2e;
+mod node_fuse;
+mod node_mount;
+mod parsers_prop;
+mod provisioner_apiserver_restart;
+mod provisioner_bad_input;
+mod provisioner_caps;
+mod provisioner_ceph;
+mod provisioner_ceph_faults;
+mod provisioner_chaos;
+mod provisioner_clones;
+mod provisioner_dead_cluster;
+mod provisioner_deploy;
+mod provisioner_e2e;
+mod provisioner_fence;
+mod provisioner_foreign;
+mod provisioner_legacy;
+mod provisioner_snapshots;
+mod volume_snapshots;

@@ -1,0 +1,1127 @@
+//! The `rbdkit-fuse` mapper end to end: the real daemon binary, a real Ceph
+//! cluster, real FUSE and real loop devices. Data through the device and
+//! through the library agree; attach and detach are idempotent; an fsynced
+//! file in ext4 on the device survives a `kill -9` of the daemon; a grown
+//! image grows the device; a dead daemon fails fast; a dead mapping is
+//! reported unhealthy and its old device fails I/O; the key is nowhere but
+//! the socket.
+
+use crate::support;
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rbdkit::node::fuse::{ControlRequest, FuseMapper};
+use rbdkit::node::{loopdev, MapSpec, Mapper};
+use rbdkit::rados::Secret;
+use rbdkit::rbd::{self, Image, ImageOptions};
+use support::ceph::{TestCluster, TestNs, POOL};
+use support::data::pattern;
+
+const MIB: u64 = 1 << 20;
+
+/// A running `rbdkit fuse-mapper` with its own state dir and socket. Drop
+/// kills it and clears its loop devices and mounts, also after a failure.
+struct Daemon {
+    dir: PathBuf,
+    child: Option<Child>,
+    runs: u32,
+    mounts: Vec<PathBuf>,
+    /// More daemon flags, for every (re)start.
+    flags: Vec<String>,
+}
+
+impl Daemon {
+    fn start(dir: &Path) -> Daemon {
+        Daemon::start_with(dir, &[])
+    }
+
+    fn start_with(dir: &Path, flags: &[&str]) -> Daemon {
+        let mut d = Daemon {
+            dir: dir.to_path_buf(),
+            child: None,
+            runs: 0,
+            mounts: Vec::new(),
+            flags: flags.iter().map(|f| f.to_string()).collect(),
+        };
+        d.spawn();
+        d
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.join("mapper.sock")
+    }
+
+    fn state_dir(&self) -> PathBuf {
+        self.dir.join("state")
+    }
+
+    fn log(&self, run: u32) -> PathBuf {
+        self.dir.join(format!("daemon-{run}.log"))
+    }
+
+    fn mapper(&self) -> FuseMapper {
+        FuseMapper::new(self.socket())
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().expect("daemon running").id()
+    }
+
+    /// Starts the daemon (again) and waits until it answers `ping`.
+    fn spawn(&mut self) {
+        self.runs += 1;
+        let log = File::create(self.log(self.runs)).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_rbdkit"))
+            .arg("fuse-mapper")
+            .arg("--socket")
+            .arg(self.socket())
+            .arg("--state-dir")
+            .arg(self.state_dir())
+            .arg("--threads")
+            .arg("3")
+            .args(&self.flags)
+            .env("RUST_LOG", "debug")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("start rbdkit fuse-mapper");
+        let pid = child.id();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(p) = self.mapper().ping() {
+                assert_eq!(
+                    parent_of(p),
+                    Some(pid),
+                    "the worker answering on {} is not our supervisor's",
+                    self.socket().display()
+                );
+                return;
+            }
+            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
+                panic!(
+                    "fuse-mapper exited with {status}:\n{}",
+                    std::fs::read_to_string(self.log(self.runs)).unwrap_or_default()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "fuse-mapper did not answer ping in 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The worker's pid (from `ping`).
+    fn worker_pid(&self) -> u32 {
+        self.mapper().ping().expect("ping the worker")
+    }
+
+    /// `kill -9` of the supervisor (the worker dies with it), and reap it.
+    fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn all_logs(&self) -> String {
+        (1..=self.runs)
+            .map(|r| std::fs::read_to_string(self.log(r)).unwrap_or_default())
+            .collect()
+    }
+
+    /// Mounts `dev` at a new folder with the `mount` CLI; unmounted on drop.
+    fn mount(&mut self, dev: &Path, name: &str) -> PathBuf {
+        let m = self.dir.join(name);
+        std::fs::create_dir_all(&m).unwrap();
+        run("mount", &[dev.to_str().unwrap(), m.to_str().unwrap()]);
+        self.mounts.push(m.clone());
+        m
+    }
+
+    fn umount(&mut self, m: &Path) {
+        run("umount", &[m.to_str().unwrap()]);
+        self.mounts.retain(|x| x != m);
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("--- fuse-mapper logs ---\n{}", self.all_logs());
+        }
+        for m in self.mounts.drain(..) {
+            let _ = Command::new("umount").arg("-l").arg(&m).status();
+        }
+        self.kill9();
+        let mnt = self.state_dir().join("mnt");
+        for (dev, backing) in loopdev::list() {
+            if backing.starts_with(&mnt) {
+                let _ = loopdev::detach(&dev);
+            }
+        }
+        let _ = Command::new("umount").arg("-l").arg(&mnt).status();
+    }
+}
+
+/// The parent pid of `pid`, from `/proc/<pid>/stat`.
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let after = &stat[stat.rfind(')')? + 2..];
+    after.split(' ').nth(1)?.parse().ok()
+}
+
+fn run(cmd: &str, args: &[&str]) {
+    let out = Command::new(cmd).args(args).output().expect(cmd);
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn tempdir(test: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("node-fuse-{test}-"))
+        .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
+        .unwrap()
+}
+
+fn monitors() -> Vec<String> {
+    let mons = TestCluster::get()
+        .conf_value("mon host")
+        .expect("mon host in the test ceph.conf");
+    mons.split([',', ' '])
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+fn spec(ns: &TestNs, volume_id: &str, image: &str) -> MapSpec {
+    MapSpec {
+        volume_id: volume_id.into(),
+        monitors: monitors(),
+        // The least-privilege node user, as the CSI node service gets it.
+        user: support::ceph::NODE_USER.into(),
+        key: Secret::new(support::ceph::node_key()),
+        pool: POOL.into(),
+        namespace: ns.name.clone(),
+        image: image.into(),
+        snapshot: None,
+        read_only: false,
+        options: Vec::new(),
+    }
+}
+
+/// A 4096-aligned buffer for O_DIRECT, without unsafe.
+struct Aligned {
+    buf: Vec<u8>,
+    off: usize,
+    len: usize,
+}
+
+impl Aligned {
+    fn new(len: usize) -> Aligned {
+        let buf = vec![0u8; len + 4096];
+        let off = buf.as_ptr().align_offset(4096);
+        Aligned { buf, off, len }
+    }
+    fn get(&mut self) -> &mut [u8] {
+        &mut self.buf[self.off..self.off + self.len]
+    }
+}
+
+fn open_direct(dev: &Path, write: bool) -> File {
+    OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(libc::O_DIRECT)
+        .open(dev)
+        .unwrap_or_else(|e| panic!("open {} O_DIRECT: {e}", dev.display()))
+}
+
+fn read_direct(dev: &Path, offset: u64, len: usize) -> std::io::Result<Vec<u8>> {
+    let f = open_direct(dev, false);
+    let mut a = Aligned::new(len);
+    f.read_exact_at(a.get(), offset)?;
+    Ok(a.get().to_vec())
+}
+
+fn write_direct(dev: &Path, offset: u64, data: &[u8]) {
+    let f = open_direct(dev, true);
+    let mut a = Aligned::new(data.len());
+    a.get().copy_from_slice(data);
+    f.write_all_at(a.get(), offset).unwrap();
+    f.sync_all().unwrap();
+}
+
+/// Processes with `dev` open, from `/proc/*/fd` (for failure messages).
+fn openers(dev: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for p in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(fds) = std::fs::read_dir(p.path().join("fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            if std::fs::read_link(fd.path()).ok().as_deref() == Some(dev) {
+                let comm = std::fs::read_to_string(p.path().join("comm")).unwrap_or_default();
+                out.push(format!(
+                    "{} {}",
+                    p.file_name().to_string_lossy(),
+                    comm.trim()
+                ));
+            }
+        }
+    }
+    out
+}
+
+fn device_size(dev: &Path) -> u64 {
+    let mut f = File::open(dev).unwrap();
+    f.seek(SeekFrom::End(0)).unwrap()
+}
+
+#[test]
+fn attach_reads_and_writes_both_ways_and_is_idempotent() {
+    let ns = TestNs::new("fuse-io");
+    let tmp = tempdir("io");
+    let d = Daemon::start(tmp.path());
+    let mapper = d.mapper();
+    rbd::create(&ns.ioctx, "img", 64 * MIB, &ImageOptions::new()).unwrap();
+    let from_lib = pattern(1, MIB as usize);
+    {
+        let img = Image::open(&ns.ioctx, "img").unwrap();
+        img.write(MIB, &from_lib).unwrap();
+        img.close().unwrap();
+    }
+
+    let s = spec(&ns, "vol-io", "img");
+    let dev = mapper.map(&s).unwrap();
+    assert!(
+        dev.to_str().unwrap().starts_with("/dev/loop"),
+        "{}",
+        dev.display()
+    );
+    assert_eq!(device_size(&dev), 64 * MIB);
+    assert_eq!(loopdev::size(&dev), Some(64 * MIB));
+    // No double caching: the loop device does direct I/O on the FUSE file.
+    assert!(
+        loopdev::direct_io(&dev),
+        "/sys/block/{}/loop/dio is not 1",
+        dev.display()
+    );
+    let st = mapper
+        .status("vol-io")
+        .unwrap()
+        .expect("status of an attached volume");
+    assert!(st.healthy && st.direct_io, "{st:?}");
+    assert_eq!(st.device.as_deref(), Some(dev.to_str().unwrap()));
+    mapper.check("vol-io", &dev).unwrap();
+
+    // Library -> device.
+    assert_eq!(read_direct(&dev, MIB, MIB as usize).unwrap(), from_lib);
+    // Device -> library, including a 4 MiB write (several FUSE requests).
+    let from_dev = pattern(2, 4 * MIB as usize);
+    write_direct(&dev, 8 * MIB, &from_dev);
+    {
+        let img = Image::open(&ns.ioctx, "img").unwrap();
+        let mut back = vec![0u8; from_dev.len()];
+        img.read_exact(8 * MIB, &mut back).unwrap();
+        assert!(
+            back == from_dev,
+            "data written through the device differs in the image"
+        );
+        img.close().unwrap();
+    }
+
+    // Attach again: the same device.
+    assert_eq!(mapper.map(&s).unwrap(), dev);
+    assert_eq!(mapper.find("vol-io").unwrap(), Some(dev.clone()));
+    // The same volume id for another image is refused.
+    rbd::create(&ns.ioctx, "other", MIB, &ImageOptions::new()).unwrap();
+    let err = mapper.map(&spec(&ns, "vol-io", "other")).unwrap_err();
+    assert!(err.to_string().contains("already attached"), "{err}");
+
+    let file = PathBuf::from(&st.file);
+    mapper.unmap("vol-io", &[]).unwrap();
+    assert_ne!(loopdev::backing_file(&dev).as_deref(), Some(file.as_path()));
+    assert!(
+        loopdev::find_by_backing_file(&file).is_empty(),
+        "a loop device still backs {}",
+        file.display()
+    );
+    assert!(
+        !file.exists(),
+        "{} still exists after detach",
+        file.display()
+    );
+    assert_eq!(mapper.status("vol-io").unwrap(), None);
+    assert_eq!(mapper.find("vol-io").unwrap(), None);
+    mapper.unmap("vol-io", &[]).unwrap();
+    assert!(mapper.list().unwrap().is_empty());
+}
+
+#[test]
+fn fsynced_file_survives_kill9_of_the_daemon() {
+    let ns = TestNs::new("fuse-kill");
+    let tmp = tempdir("kill");
+    let mut d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 256 * MIB, &ImageOptions::new()).unwrap();
+    let s = spec(&ns, "vol-kill", "img");
+    let dev = d.mapper().map(&s).unwrap();
+    run("mkfs.ext4", &["-q", dev.to_str().unwrap()]);
+    let m = d.mount(&dev, "m1");
+    let content = pattern(3, 3 * MIB as usize + 123);
+    {
+        let mut f = File::create(m.join("data")).unwrap();
+        f.write_all(&content).unwrap();
+        f.sync_all().unwrap();
+        let dir = File::open(&m).unwrap();
+        dir.sync_all().unwrap();
+    }
+    // At once after fsync returned.
+    d.kill9();
+
+    // The old device no longer reaches the image: uncached reads fail.
+    let err = read_direct(&dev, 0, 4096).expect_err("the dead mapping still served a read");
+    assert!(
+        matches!(err.raw_os_error(), Some(libc::EIO | libc::ENOTCONN)),
+        "reading the dead device: {err}"
+    );
+    // A dead daemon: the mapper fails fast, naming the socket.
+    let t = Instant::now();
+    let err = d.mapper().map(&s).unwrap_err();
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert!(
+        err.to_string().contains(&d.socket().display().to_string()),
+        "{err}"
+    );
+    assert!(d.mapper().check("vol-kill", &dev).is_err());
+
+    d.umount(&m);
+    d.spawn();
+    // The restarted daemon remembers the volume and reports it dead.
+    let st = d
+        .mapper()
+        .status("vol-kill")
+        .unwrap()
+        .expect("status after restart");
+    assert!(!st.healthy, "{st:?}");
+    assert!(
+        st.reason.as_deref().unwrap_or("").contains("restarted"),
+        "{st:?}"
+    );
+    let cond = d.mapper().check("vol-kill", &dev).unwrap_err();
+    assert!(cond.contains("attach the volume again"), "{cond}");
+    assert_eq!(d.mapper().find("vol-kill").unwrap(), None);
+
+    // The dead instance's exclusive lock is broken, not waited out (~30 s).
+    let t = Instant::now();
+    let dev2 = d.mapper().map(&s).unwrap();
+    let m = d.mount(&dev2, "m2");
+    assert!(
+        t.elapsed() < Duration::from_secs(15),
+        "re-attach and mount took {:?}",
+        t.elapsed()
+    );
+    assert!(
+        d.all_logs().contains("broke the exclusive lock"),
+        "{}",
+        d.all_logs()
+    );
+    let back = std::fs::read(m.join("data")).unwrap();
+    assert!(
+        back == content,
+        "the fsynced file differs after kill -9 and restart"
+    );
+    assert!(d.mapper().status("vol-kill").unwrap().unwrap().healthy);
+    d.umount(&m);
+    d.mapper().unmap("vol-kill", &[]).unwrap();
+}
+
+#[test]
+fn restart_with_the_old_filesystem_still_mounted() {
+    let ns = TestNs::new("fuse-busy");
+    let tmp = tempdir("busy");
+    let mut d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 128 * MIB, &ImageOptions::new()).unwrap();
+    let s = spec(&ns, "vol-busy", "img");
+    let dev = d.mapper().map(&s).unwrap();
+    run("mkfs.ext4", &["-q", dev.to_str().unwrap()]);
+    let m1 = d.mount(&dev, "m1");
+    std::fs::write(m1.join("f"), b"kept").unwrap();
+    File::open(m1.join("f")).unwrap().sync_all().unwrap();
+    let old_name = loopdev::backing_file(&dev)
+        .unwrap()
+        .file_name()
+        .unwrap()
+        .to_owned();
+    let still_bound = || loopdev::backing_file(&dev).is_some_and(|b| b.ends_with(&old_name));
+    d.kill9();
+    // The old filesystem stays mounted on the dead device across the restart.
+    d.spawn();
+    // Not torn down under its user: still bound while mounted (the kernel
+    // shows the file relative to the detached old mount now).
+    assert!(still_bound(), "{:?}", loopdev::backing_file(&dev));
+    let dev2 = d.mapper().map(&s).unwrap();
+    assert_ne!(dev2, dev, "a device still held by a mount was reused");
+    let m2 = d.mount(&dev2, "m2");
+    assert_eq!(std::fs::read(m2.join("f")).unwrap(), b"kept");
+    // The old device goes away on its last close.
+    d.umount(&m1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while still_bound() {
+        assert!(
+            Instant::now() < deadline,
+            "{} not cleared after its last close; open by: {:?}",
+            dev.display(),
+            openers(&dev)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // A mounted device is not detached.
+    let err = d.mapper().unmap("vol-busy", &[]).unwrap_err();
+    assert!(err.to_string().contains("unmount it first"), "{err}");
+    d.umount(&m2);
+    d.mapper().unmap("vol-busy", &[]).unwrap();
+}
+
+#[test]
+fn refresh_grows_the_device() {
+    let ns = TestNs::new("fuse-grow");
+    let tmp = tempdir("grow");
+    let d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 32 * MIB, &ImageOptions::new()).unwrap();
+    let dev = d.mapper().map(&spec(&ns, "vol-grow", "img")).unwrap();
+    assert_eq!(device_size(&dev), 32 * MIB);
+    {
+        let img = Image::open(&ns.ioctx, "img").unwrap();
+        img.resize(80 * MIB).unwrap();
+        img.close().unwrap();
+    }
+    assert_eq!(d.mapper().refresh_size("vol-grow").unwrap(), 80 * MIB);
+    assert_eq!(device_size(&dev), 80 * MIB);
+    let tail = pattern(4, MIB as usize);
+    write_direct(&dev, 79 * MIB, &tail);
+    assert_eq!(read_direct(&dev, 79 * MIB, MIB as usize).unwrap(), tail);
+    assert_eq!(
+        d.mapper().status("vol-grow").unwrap().unwrap().size,
+        80 * MIB
+    );
+    // Refreshing what is not attached says so.
+    let err = d.mapper().refresh_size("nope").unwrap_err();
+    assert!(err.to_string().contains("not attached"), "{err}");
+    d.mapper().unmap("vol-grow", &[]).unwrap();
+}
+
+#[test]
+fn no_daemon_fails_fast_with_the_socket_named() {
+    let tmp = tempdir("none");
+    let sock = tmp.path().join("absent.sock");
+    let mapper = FuseMapper::new(&sock);
+    let t = Instant::now();
+    for err in [
+        mapper.find("v").unwrap_err().to_string(),
+        mapper.unmap("v", &[]).unwrap_err().to_string(),
+        mapper.refresh_size("v").unwrap_err().to_string(),
+        mapper.check("v", Path::new("/dev/loop0")).unwrap_err(),
+    ] {
+        assert!(err.contains(&sock.display().to_string()), "{err}");
+        assert!(err.contains("not reachable"), "{err}");
+    }
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "took {:?}",
+        t.elapsed()
+    );
+}
+
+#[test]
+fn the_key_is_nowhere_but_the_socket() {
+    let ns = TestNs::new("fuse-key");
+    let tmp = tempdir("key");
+    let d = Daemon::start(tmp.path());
+    let key = support::ceph::node_key();
+    let mode = std::fs::metadata(d.socket()).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600, "socket mode {mode:o}");
+
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    let s = spec(&ns, "vol-key", "img");
+    d.mapper().map(&s).unwrap();
+    // Failures are logged too: a missing image, a bad pool, a wrong key, a
+    // malformed request that carries the key.
+    assert!(d.mapper().map(&spec(&ns, "vol-missing", "nope")).is_err());
+    let mut bad_pool = spec(&ns, "vol-pool", "img");
+    bad_pool.pool = "no-such-pool".into();
+    assert!(d.mapper().map(&bad_pool).is_err());
+    let mut stream = std::os::unix::net::UnixStream::connect(d.socket()).unwrap();
+    writeln!(
+        stream,
+        "{{\"op\":\"attach\",\"key\":\"{key}\",\"volume_id\":3}}"
+    )
+    .unwrap();
+    let mut answer = String::new();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let _ = std::io::BufReader::new(&stream).read_to_string(&mut answer);
+    let r = d
+        .mapper()
+        .call(&ControlRequest::List, Duration::from_secs(10))
+        .unwrap();
+    assert_eq!(r.attachments.len(), 1);
+
+    let logs = d.all_logs();
+    assert!(logs.contains("attached"), "the log is empty? {logs}");
+    let needle = key.as_bytes();
+    let has = |hay: &[u8]| hay.windows(needle.len()).any(|w| w == needle);
+    for pid in [d.pid(), d.worker_pid()] {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+        assert!(
+            !cmdline.is_empty() && !has(&cmdline),
+            "key in the cmdline of {pid}"
+        );
+        assert!(!has(&environ), "key in the environment of {pid}");
+    }
+    assert!(!has(logs.as_bytes()), "key in the daemon's log");
+    assert!(
+        !has(answer.as_bytes()),
+        "key echoed in an error answer: {answer}"
+    );
+    let mnt = d.state_dir().join("mnt");
+    let mut stack = vec![d.state_dir()];
+    let mut files = 0;
+    while let Some(dir) = stack.pop() {
+        for e in std::fs::read_dir(&dir).unwrap().flatten() {
+            let p = e.path();
+            if p == mnt {
+                continue; // the image data, not state
+            }
+            if p.is_dir() {
+                stack.push(p);
+            } else if let Ok(data) = std::fs::read(&p) {
+                files += 1;
+                assert!(!has(&data), "key in {}", p.display());
+            }
+        }
+    }
+    assert!(files >= 1, "no state file was written");
+    d.mapper().unmap("vol-key", &[]).unwrap();
+}
+
+#[test]
+fn read_only_and_snapshot_mappings_refuse_writes() {
+    let ns = TestNs::new("fuse-ro");
+    let tmp = tempdir("ro");
+    let d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    let data = pattern(5, MIB as usize);
+    {
+        let img = Image::open(&ns.ioctx, "img").unwrap();
+        img.write(0, &data).unwrap();
+        img.snap_create("s1").unwrap();
+        img.write(0, &pattern(6, MIB as usize)).unwrap();
+        img.close().unwrap();
+    }
+    let mut s = spec(&ns, "vol-snap", "img");
+    s.snapshot = Some("s1".into());
+    let dev = d.mapper().map(&s).unwrap();
+    assert_eq!(read_direct(&dev, 0, MIB as usize).unwrap(), data);
+    let ro = format!(
+        "/sys/block/{}/ro",
+        dev.file_name().unwrap().to_str().unwrap()
+    );
+    assert_eq!(std::fs::read_to_string(&ro).unwrap().trim(), "1", "{ro}");
+    // The block layer refuses the write (EPERM) before it reaches us.
+    let f = open_direct(&dev, true);
+    let mut a = Aligned::new(4096);
+    let err = f
+        .write_all_at(a.get(), 0)
+        .expect_err("a write to a snapshot mapping succeeded");
+    assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{err}");
+    drop(f);
+    // And the FUSE file itself refuses a writable open.
+    let st = d.mapper().status("vol-snap").unwrap().unwrap();
+    let err = OpenOptions::new().write(true).open(&st.file).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{err}");
+    assert!(d.mapper().status("vol-snap").unwrap().unwrap().read_only);
+    d.mapper().unmap("vol-snap", &[]).unwrap();
+}
+
+/// Reads a whole file with O_DIRECT, so the data comes from the device (and
+/// so from the daemon), not the page cache. `len` must be 4096-aligned.
+fn read_file_direct(path: &Path, len: usize) -> Vec<u8> {
+    let f = open_direct(path, false);
+    let mut a = Aligned::new(len);
+    f.read_exact_at(a.get(), 0).unwrap();
+    a.get().to_vec()
+}
+
+#[test]
+fn mounted_filesystem_survives_kill9_of_the_worker() {
+    let ns = TestNs::new("fuse-worker");
+    let tmp = tempdir("worker");
+    let mut d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 256 * MIB, &ImageOptions::new()).unwrap();
+    let s = spec(&ns, "vol-worker", "img");
+    let dev = d.mapper().map(&s).unwrap();
+    run("mkfs.ext4", &["-q", dev.to_str().unwrap()]);
+    let m = d.mount(&dev, "m");
+    let a = pattern(7, 2 * MIB as usize);
+    std::fs::write(m.join("a"), &a).unwrap();
+    File::open(m.join("a")).unwrap().sync_all().unwrap();
+
+    // A writer that fsyncs every MiB, running across the worker's death.
+    let path_b = m.join("b");
+    let writer = std::thread::spawn(move || -> std::io::Result<Vec<u8>> {
+        let mut f = File::create(&path_b)?;
+        let mut all = Vec::new();
+        for i in 0..24u64 {
+            let chunk = pattern(100 + i, MIB as usize);
+            f.write_all(&chunk)?;
+            f.sync_all()?;
+            all.extend_from_slice(&chunk);
+            std::thread::sleep(Duration::from_millis(40));
+        }
+        Ok(all)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let old_worker = d.worker_pid();
+    assert!(!writer.is_finished(), "the writer ended before the kill");
+    // SAFETY: kill(2) of the worker this test started (through its
+    // supervisor), by pid.
+    unsafe { libc::kill(old_worker as i32, libc::SIGKILL) };
+
+    let killed_at = Instant::now();
+    let b = writer
+        .join()
+        .unwrap()
+        .expect("writes and fsyncs in the mounted filesystem failed across the worker's death");
+    // A new worker serves the same device.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let new_worker = loop {
+        match d.mapper().ping() {
+            Ok(p) if p != old_worker => break p,
+            _ => {}
+        }
+        assert!(Instant::now() < deadline, "no new worker after 30 s");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(parent_of(new_worker), Some(d.pid()));
+    eprintln!("writer finished {:?} after the kill", killed_at.elapsed());
+    let st = d.mapper().status("vol-worker").unwrap().unwrap();
+    assert!(st.healthy, "{st:?}");
+    assert_eq!(st.device.as_deref(), Some(dev.to_str().unwrap()));
+    assert_eq!(d.mapper().find("vol-worker").unwrap(), Some(dev.clone()));
+    // Both files read back through the device (O_DIRECT: not from cache).
+    assert!(
+        read_file_direct(&m.join("a"), a.len()) == a,
+        "file a differs"
+    );
+    assert!(
+        read_file_direct(&m.join("b"), b.len()) == b,
+        "file b differs"
+    );
+    let logs = d.all_logs();
+    assert!(logs.contains("took over a mapping"), "{logs}");
+    assert!(logs.contains("resend"), "{logs}");
+
+    // Once more while idle: I/O right after the kill waits for the next
+    // worker instead of failing.
+    let w = d.worker_pid();
+    // SAFETY: as above.
+    unsafe { libc::kill(w as i32, libc::SIGKILL) };
+    std::fs::write(m.join("c"), vec![9u8; 8192]).unwrap();
+    File::open(m.join("c")).unwrap().sync_all().unwrap();
+    assert_eq!(read_file_direct(&m.join("c"), 8192), vec![9u8; 8192]);
+    d.umount(&m);
+    run("e2fsck", &["-fn", dev.to_str().unwrap()]);
+    d.mapper().unmap("vol-worker", &[]).unwrap();
+}
+
+#[test]
+fn clean_stop_flushes_and_clears_everything() {
+    let ns = TestNs::new("fuse-stop");
+    let tmp = tempdir("stop");
+    let mut d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    let dev = d.mapper().map(&spec(&ns, "vol-stop", "img")).unwrap();
+    let data = pattern(8, MIB as usize);
+    write_direct(&dev, 0, &data);
+    let file = PathBuf::from(d.mapper().status("vol-stop").unwrap().unwrap().file);
+    let worker = d.worker_pid();
+    let mut child = d.child.take().unwrap();
+    // SAFETY: kill(2) of the supervisor this test started, by pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    // Well inside the supervisor's 30 s grace before it kills the worker.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the supervisor did not stop in 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "supervisor exited with {status}");
+    assert!(
+        parent_of(worker).is_none(),
+        "the worker outlived the clean stop"
+    );
+    assert!(loopdev::find_by_backing_file(&file).is_empty());
+    assert_ne!(loopdev::backing_file(&dev).as_deref(), Some(file.as_path()));
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mounts.contains(d.state_dir().to_str().unwrap()),
+        "the FUSE mount is left"
+    );
+    let img = Image::open(&ns.ioctx, "img").unwrap();
+    let mut back = vec![0u8; data.len()];
+    img.read_exact(0, &mut back).unwrap();
+    assert!(back == data);
+    // The image was closed (no watch left behind but our own).
+    assert_eq!(img.watchers().unwrap().len(), 1, "{:?}", img.watchers());
+}
+
+#[test]
+fn worker_restart_clears_a_device_whose_attach_did_not_finish() {
+    let ns = TestNs::new("fuse-half");
+    let tmp = tempdir("half");
+    let d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    let dev = d.mapper().map(&spec(&ns, "vol-half", "img")).unwrap();
+    let file = PathBuf::from(d.mapper().status("vol-half").unwrap().unwrap().file);
+    // As if the worker died after binding the device, before saving the
+    // record: drop the record from the state file, then kill -9 the worker.
+    let state_path = d.state_dir().join("state.json");
+    let mut state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&state_path).unwrap()).unwrap();
+    state["attachments"] = serde_json::json!([]);
+    std::fs::write(&state_path, serde_json::to_vec(&state).unwrap()).unwrap();
+    let old = d.worker_pid();
+    // SAFETY: kill(2) of the worker this test started, by pid.
+    unsafe { libc::kill(old as i32, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !matches!(d.mapper().ping(), Ok(p) if p != old) {
+        assert!(Instant::now() < deadline, "no new worker after 30 s");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        loopdev::find_by_backing_file(&file).is_empty(),
+        "{} is still bound to {}",
+        dev.display(),
+        file.display()
+    );
+    assert_eq!(d.mapper().status("vol-half").unwrap(), None);
+    // Attaching again works, on a new inode (file name).
+    let dev2 = d.mapper().map(&spec(&ns, "vol-half", "img")).unwrap();
+    let file2 = PathBuf::from(d.mapper().status("vol-half").unwrap().unwrap().file);
+    assert_ne!(file2, file);
+    assert_eq!(loopdev::backing_file(&dev2), Some(file2));
+    d.mapper().unmap("vol-half", &[]).unwrap();
+}
+
+fn queue_attr(dev: &Path, name: &str) -> String {
+    loopdev::queue_attr(dev, name).unwrap_or_else(|| panic!("{name} of {}", dev.display()))
+}
+
+#[test]
+fn map_options_set_up_the_device_and_librbd() {
+    let ns = TestNs::new("fuse-opts");
+    let tmp = tempdir("opts");
+    let d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    rbd::create(&ns.ioctx, "plain", 16 * MIB, &ImageOptions::new()).unwrap();
+    let mut s = spec(&ns, "vol-opts", "img");
+    s.options = [
+        "queue_depth=32",
+        "block_size=512",
+        "rbd_cache=false",
+        "rbd_readahead_max_bytes=0",
+    ]
+    .map(String::from)
+    .to_vec();
+    let dev = d.mapper().map(&s).unwrap();
+    assert_eq!(queue_attr(&dev, "nr_requests"), "32");
+    assert_eq!(queue_attr(&dev, "logical_block_size"), "512");
+    // Every device: at most one FUSE request (1 MiB) per block request.
+    assert_eq!(queue_attr(&dev, "max_sectors_kb"), "1024");
+    let st = d.mapper().status("vol-opts").unwrap().unwrap();
+    assert_eq!(
+        st.librbd,
+        vec![
+            ("rbd_cache".to_string(), "false".to_string()),
+            ("rbd_readahead_max_bytes".to_string(), "0".to_string())
+        ],
+        "{st:?}"
+    );
+    // A 512-byte write works on a 512-byte-sector device, and lands.
+    write_direct(&dev, 512, &[7u8; 512]);
+    {
+        let img = Image::open_read_only(&ns.ioctx, "img").unwrap();
+        let mut back = vec![0u8; 512];
+        img.read(512, &mut back).unwrap();
+        assert_eq!(back, vec![7u8; 512]);
+    }
+    // Without options: the kernel's queue depth, librbd's defaults.
+    let plain = d.mapper().map(&spec(&ns, "vol-plain", "plain")).unwrap();
+    assert_eq!(
+        queue_attr(&plain, "nr_requests"),
+        rbdkit::node::fuse::loop_hw_queue_depth().to_string()
+    );
+    assert_eq!(queue_attr(&plain, "logical_block_size"), "4096");
+    let st = d.mapper().status("vol-plain").unwrap().unwrap();
+    assert!(st.librbd.is_empty(), "{st:?}");
+
+    // Asking again with other options is refused, naming the mapping.
+    let mut other = s.clone();
+    other.options = vec!["queue_depth=16".into()];
+    let e = d.mapper().map(&other).unwrap_err();
+    assert_eq!(e.errno(), libc::EEXIST, "{e}");
+    // The same options: the same device.
+    assert_eq!(d.mapper().map(&s).unwrap(), dev);
+
+    // read_only as an option.
+    let mut ro = spec(&ns, "vol-ro-opt", "plain");
+    ro.options = vec!["ro".into()];
+    d.mapper().unmap("vol-plain", &[]).unwrap();
+    let rodev = d.mapper().map(&ro).unwrap();
+    let f = open_direct(&rodev, true);
+    let mut a = Aligned::new(4096);
+    let err = f
+        .write_all_at(a.get(), 0)
+        .expect_err("a write to a read_only mapping succeeded");
+    assert_eq!(err.raw_os_error(), Some(libc::EPERM), "{err}");
+    drop(f);
+    assert!(d.mapper().status("vol-ro-opt").unwrap().unwrap().read_only);
+
+    if let Err(e) = d.mapper().unmap("vol-ro-opt", &[]) {
+        panic!("{e}; openers of {}: {:?}", rodev.display(), openers(&rodev));
+    }
+    d.mapper().unmap("vol-opts", &[]).unwrap();
+}
+
+#[test]
+fn bad_map_options_are_refused_naming_the_option() {
+    let ns = TestNs::new("fuse-badopts");
+    let tmp = tempdir("badopts");
+    let d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    let cases: &[(&str, &str)] = &[
+        ("bogus=1", "unknown option"),
+        ("lock_on_read", "unknown option"),
+        ("threads=4", "--threads"),
+        ("queue_depth=100000", "nr_requests"),
+        ("queue_depth=x", "whole number"),
+        ("block_size=4000", "512, 1024, 2048 or 4096"),
+        ("rbd_cache=maybe", "true or false"),
+        ("rbd_cache_policy=fast", "writeback"),
+        // A write answered from the cache would die with the worker.
+        ("rbd_cache_policy=writeback", "only writethrough"),
+        ("rbd_cache_policy=writearound", "only writethrough"),
+        ("rbd_cache", "needs a value"),
+        ("read_only=yes", "takes no value"),
+        // A librados setting that is not a cache knob is not let through.
+        ("mon_host=10.0.0.1", "unknown option"),
+    ];
+    for (opt, why) in cases {
+        let mut s = spec(&ns, "vol-bad", "img");
+        s.options = vec![(*opt).into()];
+        // The mapper refuses it before asking the daemon...
+        let e = d.mapper().map(&s).unwrap_err();
+        assert_eq!(e.kind(), rbdkit::ErrorKind::InvalidArgument, "{opt}: {e}");
+        let msg = e.to_string();
+        assert!(msg.contains(opt) && msg.contains(why), "{opt}: {msg}");
+        // ...and so does the daemon, asked directly.
+        let r = d
+            .mapper()
+            .call(
+                &ControlRequest::Attach((&s).into()),
+                Duration::from_secs(30),
+            )
+            .unwrap();
+        assert!(!r.ok, "{opt}: {r:?}");
+        let msg = r.error.unwrap_or_default();
+        assert!(msg.contains(opt) && msg.contains(why), "{opt}: {msg}");
+        assert_eq!(r.errno, Some(libc::EINVAL), "{opt}");
+    }
+    assert!(d.mapper().list().unwrap().is_empty());
+    let e = d.mapper().unmap("vol-bad", &["lazy".into()]).unwrap_err();
+    assert!(e.to_string().contains("\"lazy\""), "{e}");
+}
+
+/// An image-level override of librbd's cache policy (which beats the
+/// daemon's own `writethrough`) is refused, naming it, before any device
+/// is bound; a snapshot mapping, which takes no writes, is not refused.
+#[test]
+fn a_write_back_cache_override_is_refused() {
+    let ns = TestNs::new("fuse-wb");
+    let tmp = tempdir("wb");
+    let d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    let img = Image::open(&ns.ioctx, "img").unwrap();
+    img.snap_create("s").unwrap();
+    for policy in ["writeback", "writearound"] {
+        img.metadata_set("conf_rbd_cache_policy", policy).unwrap();
+        let e = d.mapper().map(&spec(&ns, "vol-wb", "img")).unwrap_err();
+        assert_eq!(e.kind(), rbdkit::ErrorKind::InvalidArgument, "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&format!("rbd_cache_policy is {policy}")) && msg.contains("Image"),
+            "{msg}"
+        );
+        assert!(d.mapper().list().unwrap().is_empty());
+        assert!(!loopdev::list()
+            .iter()
+            .any(|(_, backing)| backing.starts_with(d.state_dir())));
+    }
+    let mut snap = spec(&ns, "vol-wb-snap", "img");
+    snap.snapshot = Some("s".into());
+    d.mapper().map(&snap).unwrap();
+    d.mapper().unmap("vol-wb-snap", &[]).unwrap();
+    img.metadata_remove("conf_rbd_cache_policy").unwrap();
+    d.mapper().map(&spec(&ns, "vol-wb", "img")).unwrap();
+    d.mapper().unmap("vol-wb", &[]).unwrap();
+}
+
+#[test]
+fn force_unmap_clears_a_busy_device() {
+    let ns = TestNs::new("fuse-force");
+    let tmp = tempdir("force");
+    let d = Daemon::start(tmp.path());
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    let s = spec(&ns, "vol-force", "img");
+    let dev = d.mapper().map(&s).unwrap();
+    // Held exclusively, as a mounted filesystem holds it.
+    let held = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_EXCL | libc::O_DIRECT)
+        .open(&dev)
+        .unwrap();
+    let e = d.mapper().unmap("vol-force", &[]).unwrap_err();
+    assert_eq!(e.kind(), rbdkit::ErrorKind::Busy, "{e}");
+    assert!(d.mapper().status("vol-force").unwrap().unwrap().healthy);
+    d.mapper().unmap("vol-force", &["force".into()]).unwrap();
+    assert_eq!(d.mapper().status("vol-force").unwrap(), None);
+    // The holder's I/O fails from now on; the image is closed.
+    let mut a = Aligned::new(4096);
+    let err = held
+        .read_exact_at(a.get(), 0)
+        .expect_err("a forced-off device still served a read");
+    assert!(
+        matches!(
+            err.raw_os_error(),
+            Some(libc::EIO | libc::ENXIO | libc::EBADF)
+        ),
+        "{err}"
+    );
+    {
+        let img = Image::open(&ns.ioctx, "img").unwrap();
+        assert!(
+            img.watchers().unwrap().len() <= 1,
+            "the daemon still watches the image"
+        );
+    }
+    // On its last close the kernel unbinds the device.
+    drop(held);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while loopdev::backing_file(&dev).is_some() {
+        assert!(Instant::now() < deadline, "{} still bound", dev.display());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A cephx user with the caps a node plugin's user has (ceph-csi's).
+fn node_user(name: &str) -> (String, Secret) {
+    let c = support::ceph::cluster();
+    let cmd = serde_json::json!({
+        "prefix": "auth get-or-create",
+        "entity": format!("client.{name}"),
+        "caps": ["mon", "profile rbd", "osd", format!("profile rbd pool={POOL}")],
+        "format": "json",
+    });
+    let r = c.mon_command(&cmd.to_string(), &[]).unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&r.output).unwrap();
+    let key = v[0]["key"].as_str().expect("key in auth output").to_owned();
+    (name.to_owned(), Secret::new(key))
+}
+
+#[test]
+fn blocklisting_ends_the_dead_clients_watches_at_once() {
+    let ns = TestNs::new("fuse-bl");
+    let tmp = tempdir("bl");
+    let mut d = Daemon::start_with(tmp.path(), &["--blocklist-dead-clients"]);
+    rbd::create(&ns.ioctx, "a", 16 * MIB, &ImageOptions::new()).unwrap();
+    rbd::create(&ns.ioctx, "b", 16 * MIB, &ImageOptions::new()).unwrap();
+    let (user, key) = node_user(&support::ceph::unique("fuse-node"));
+    let with_user = |vol: &str, img: &str| {
+        let mut s = spec(&ns, vol, img);
+        s.user = user.clone();
+        s.key = key.clone();
+        s
+    };
+    d.mapper().map(&with_user("vol-a", "a")).unwrap();
+    let a = Image::open_read_only(&ns.ioctx, "a").unwrap();
+    let before = a.watchers().unwrap();
+    assert_eq!(before.len(), 1, "{before:?}");
+
+    // Supervisor and worker die: nothing ends their watch...
+    d.kill9();
+    let killed = Instant::now();
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        a.watchers().unwrap(),
+        before,
+        "the dead daemon's watch went by itself"
+    );
+    // ...until the restarted daemon, given a key for that cluster by
+    // another volume's attach, blocklists the dead client.
+    d.spawn();
+    d.mapper().map(&with_user("vol-b", "b")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while a.watchers().unwrap().iter().any(|w| before.contains(w)) {
+        assert!(
+            Instant::now() < deadline,
+            "the dead watch is still there {:?} after the kill\n{}",
+            killed.elapsed(),
+            d.all_logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Well before osd_client_watch_timeout (30 s) would have ended it.
+    assert!(
+        killed.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        killed.elapsed()
+    );
+    assert!(d
+        .all_logs()
+        .contains("blocklisted the previous instance's client"));
+    // The blocklisted address was the dead one only: the live mapping works.
+    let b = d.mapper().status("vol-b").unwrap().unwrap();
+    assert!(b.healthy, "{b:?}");
+    let devb = PathBuf::from(b.device.unwrap());
+    write_direct(&devb, 0, &pattern(9, 4096));
+    assert_eq!(read_direct(&devb, 0, 4096).unwrap(), pattern(9, 4096));
+    // And the stale volume maps again at once.
+    let t = Instant::now();
+    d.mapper().map(&with_user("vol-a", "a")).unwrap();
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    drop(a);
+    d.mapper().unmap("vol-a", &[]).unwrap();
+    d.mapper().unmap("vol-b", &[]).unwrap();
+}
