@@ -80,12 +80,12 @@ fn manifests_parse_and_agree_with_the_provisioner() {
             "RoleBinding" => drop(typed::<RoleBinding>(file, d)),
             "ConfigMap" => drop(typed::<ConfigMap>(file, d)),
             "Deployment" => drop(typed::<Deployment>(file, d)),
-            // The CSI node plugin's; checked in tests/csi_deploy.rs.
+            // The CSI node plugin's; checked in tests/it/csi_deploy.rs.
             "DaemonSet" | "CSIDriver" => {}
             "Secret" => drop(typed::<Secret>(file, d)),
             "StorageClass" => drop(typed::<StorageClass>(file, d)),
             "PersistentVolumeClaim" => drop(typed::<PersistentVolumeClaim>(file, d)),
-            // Checked in tests/provisioner_snapshots.rs.
+            // Checked in tests/it/provisioner_snapshots.rs.
             "VolumeSnapshotClass" => {}
             other => panic!("{file}: unexpected kind {other:?}"),
         }

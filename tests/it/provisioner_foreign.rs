@@ -1,7 +1,7 @@
 //! A foreign image (made by someone else, without rbdkit's owner metadata)
 //! that has the name a PV would get, or that a forged PV points at, is never
 //! touched by the provisioner: not adopted, not expanded, not deleted, not
-//! sent to the trash. (The CSI path is checked in tests/csi_controller.rs.)
+//! sent to the trash. (The CSI path is checked in tests/it/csi_controller.rs.)
 use crate::support;
 
 use std::time::Duration;
