@@ -225,6 +225,25 @@ Anonymous:             0 kB
 
     #[test]
     fn released_pages_read_back_unchanged() {
+        // Other tests' threads fault code pages back in while this one
+        // counts, so it runs alone, in a child process of the test binary.
+        const CHILD: &str = "RBDKIT_RELEASE_PAGES_CHILD";
+        const NAME: &str = "daemon_memory::tests::released_pages_read_back_unchanged";
+        if std::env::var_os(CHILD).is_none() {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", NAME, "--test-threads=1"])
+                .env(CHILD, "1")
+                .output()
+                .unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && stdout.contains("1 passed"),
+                "{NAME} in a child: {}\n{stdout}{}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            );
+            return;
+        }
         // A constant in this test binary's read-only data, read before and
         // after its pages are dropped.
         static TABLE: [u64; 4096] = {
