@@ -17,8 +17,8 @@ use futures::future::join_all;
 use futures::task::noop_waker;
 use rbdkit::rbd::{self, aio_live_requests, Image, ImageOptions};
 use rbdkit::ErrorKind;
-use support::ceph::TestNs;
 use support::aio::{exclusive, shared};
+use support::ceph::TestNs;
 use support::data::pattern;
 
 const MIB: u64 = 1 << 20;
