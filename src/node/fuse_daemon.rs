@@ -2107,6 +2107,7 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
         let daemon = Arc::clone(&daemon);
         std::thread::spawn(move || daemon.take_over_all(takeover));
     }
+    journal.start_trimming();
     let readers = fk::serve(&channels, &journal, Arc::clone(&fs))?;
 
     // The filesystem ends when someone unmounts it: mark every mapping dead.

@@ -50,6 +50,12 @@ pub const SLOT_SIZE: usize = DATA_AT + MAX_WRITE as usize;
 /// synchronous requests), so readers rarely wait for one.
 pub const SLOTS: usize = 192;
 
+/// Free slots kept populated when idle (the most recently used ones: at
+/// least one per reader thread waits in `read(2)` at any time).
+const KEEP_POPULATED: usize = 8;
+/// How long a free slot beyond those stays populated.
+const TRIM_AFTER: std::time::Duration = std::time::Duration::from_secs(5);
+
 const HEAD: usize = 4096;
 const MAGIC: u64 = 0x7262_646b_6a6e_6c31; // "rbdkjnl1"
 
@@ -291,6 +297,34 @@ impl Journal {
         // SAFETY: a slot's first bytes, page aligned, hold its control
         // words; atomics accept any bit pattern (a new memfd is zeroes).
         unsafe { &*self.slot_ptr(idx, 0).cast::<Control>() }
+    }
+
+    /// Gives the pages of idle slots back (`MADV_REMOVE`), but for the
+    /// [`KEEP_POPULATED`] most recently used free ones: the journal's
+    /// memory follows the requests in flight of the last seconds, not the
+    /// peak since start. Runs until the journal is dropped.
+    pub fn start_trimming(self: &Arc<Self>) {
+        let weak = Arc::downgrade(self);
+        let _ = std::thread::Builder::new()
+            .name("fuse-trim".into())
+            .spawn(move || loop {
+                std::thread::sleep(TRIM_AFTER);
+                let Some(j) = weak.upgrade() else { return };
+                let free = j.free.lock().unwrap_or_else(|e| e.into_inner());
+                // The free list is a stack: the bottom ones are the idlest.
+                let n = free.len().saturating_sub(KEEP_POPULATED);
+                for &idx in &free[..n] {
+                    if j.control(idx).populated.load(Ordering::Relaxed) != 0 {
+                        // SAFETY: a free slot (we hold the free list, so no
+                        // one takes it meanwhile) inside our mapping; its
+                        // content, the control words included, is not needed:
+                        // zeroes read back as FREE and not populated.
+                        unsafe {
+                            libc::madvise(j.slot_ptr(idx, 0).cast(), SLOT_SIZE, libc::MADV_REMOVE)
+                        };
+                    }
+                }
+            });
     }
 
     /// Maps every page of slot `idx` into this process before the kernel
