@@ -300,7 +300,7 @@ impl Journal {
     }
 
     /// Gives the pages of idle slots back (`MADV_REMOVE`), but for the
-    /// [`KEEP_POPULATED`] most recently used free ones: the journal's
+    /// 8 most recently used free ones (`KEEP_POPULATED`): the journal's
     /// memory follows the requests in flight of the last seconds, not the
     /// peak since start. Runs until the journal is dropped.
     pub fn start_trimming(self: &Arc<Self>) {
