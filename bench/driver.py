@@ -63,7 +63,7 @@ FULL = {
         ("seqread", 4 * MiB, 16, 192),
     ],
     # The node group (bench/node.py): fio through the userspace mapper.
-    "node_rounds": 8,
+    "node_rounds": 6,
     "node_image_bytes": 1 * GiB,
     "node_workloads": [
         ("randwrite", 4 * KiB, 16, 8000),

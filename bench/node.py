@@ -19,9 +19,15 @@ KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 
-CONTENDERS = ["rbd-bench", "mapper-block", "mapper-fs", "rbd-fuse"]
+CONTENDERS = ["rbd-bench", "mapper-block", "mapper-fs", "mapper-pod", "rbd-fuse"]
 NAMES = {"rbd-bench": "rbd bench", "mapper-block": "mapper, block",
-         "mapper-fs": "mapper, ext4 file", "rbd-fuse": "rbd-fuse + loop"}
+         "mapper-fs": "mapper, ext4 file", "mapper-pod": "mapper, ext4 as a pod gets it",
+         "rbd-fuse": "rbd-fuse + loop"}
+# What NodeStage runs when the StorageClass gives no mkfsOptions
+# (src/node/fs.rs, default_mkfs_options): lazy inode table and journal init.
+NODESTAGE_MKFS_EXT4 = ["-m0", "-Enodiscard,lazy_itable_init=1,lazy_journal_init=1"]
+# Images attached at once to measure the mapper's memory per mapped image.
+RSS_IMAGES = 8
 # Goals (issue): vs rbd bench, by workload kind.
 GOALS = {"rand": 0.6, "seq": 0.8}
 
@@ -74,6 +80,20 @@ def tree_cpu_s(pid):
         p = todo.pop()
         total += proc_cpu_s(p)
         todo += children.get(p, [])
+    return total
+
+
+def tree_rss_kib(pid, field="VmRSS"):
+    """A /proc status field (kB) summed over a process and its children."""
+    total = 0
+    for p in [pid] + [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children")
+                      .read_text().split()]:
+        try:
+            for ln in Path(f"/proc/{p}/status").read_text().splitlines():
+                if ln.startswith(field + ":"):
+                    total += int(ln.split()[1])
+        except OSError:
+            pass
     return total
 
 
@@ -287,20 +307,25 @@ class Node:
         self.pool = pool
         self.raw = f"node-raw-{tag}"
         self.fsimg = f"node-fs-{tag}"
+        self.podimg = f"node-pod-{tag}"
+        self.podmnt = None
         self.size = cfg["node_image_bytes"]
         self.fs_file_bytes = self.size * 3 // 4
         self.work = Path(tempfile.mkdtemp(prefix="rbdkit-bench-node."))
         self.fsmnt = self.work / "ext4"
         self.rfmnt = self.work / "rbd-fuse"
+        self.podmnt = self.work / "pod"
         self.fsmnt.mkdir()
         self.rfmnt.mkdir()
+        self.podmnt.mkdir()
+        self.rss = {}
         self.mapper = Mapper(rbdkit_bin, c.cl.conf, self.work)
 
     # -- setup -------------------------------------------------------------
 
     def setup(self):
         c, pool = self.c, self.pool
-        for img in (self.raw, self.fsimg):
+        for img in (self.raw, self.fsimg, self.podimg):
             c.cl.rbd("create", "--size", f"{self.size // MiB}M", f"{pool}/{img}")
         log(f"node: prefilling {self.raw} ({self.size // MiB} MiB)")
         c.cl.rbd("bench", "--io-type", "write", "--io-size", str(4 * MiB), "--io-threads", "16",
@@ -325,13 +350,59 @@ class Node:
                 run(["umount", self.fsmnt])
         finally:
             self.mapper.detach("bench-fs")
+        # As a pod gets it: ext4 as NodeStage makes it (lazy init), mounted
+        # with no options, and a file fio lays out itself (fallocated:
+        # unwritten extents, written for the first time by the runs).
+        log(f"node: ext4 on {self.podimg} as NodeStage makes it; a file fio lays out itself")
+        dev = self.mapper.attach("bench-pod", pool, self.podimg)
+        try:
+            run(["mkfs.ext4", "-q", *NODESTAGE_MKFS_EXT4, dev], timeout=120)
+            run(["mount", "-t", "ext4", dev, self.podmnt])
+            try:
+                run(["fio", "--name=layout", f"--filename={self.podmnt / 'bench.dat'}",
+                     f"--size={self.fs_file_bytes}", "--rw=write", "--io_size=4k",
+                     "--bs=4k"], timeout=FIO_TIMEOUT)
+            finally:
+                run(["umount", self.podmnt])
+        finally:
+            self.mapper.detach("bench-pod")
+        self.measure_rss()
+
+    def measure_rss(self):
+        """The mapper's resident memory (supervisor + worker) with nothing
+        attached and with RSS_IMAGES images attached and read once."""
+        pid = self.mapper.p.pid
+        imgs = [f"node-rss-{i}-{self.raw}" for i in range(RSS_IMAGES)]
+        for img in imgs:
+            self.c.cl.rbd("create", "--size", "64M", f"{self.pool}/{img}")
+        try:
+            # The journal gives idle slots back after 5 s (src/node/fuse_journal.rs).
+            time.sleep(12)
+            self.rss["idle_kib"] = tree_rss_kib(pid)
+            for i, img in enumerate(imgs):
+                dev = self.mapper.attach(f"rss-{i}", self.pool, img)
+                fio(dev, "randread", 4 * KiB, 16, 256, 64 * MiB)
+            self.rss["attached_kib"] = tree_rss_kib(pid)
+            self.rss["images"] = RSS_IMAGES
+        finally:
+            for i, img in enumerate(imgs):
+                try:
+                    self.mapper.detach(f"rss-{i}")
+                except (NodeError, OSError):
+                    pass
+                try:
+                    self.c.cl.rbd("rm", "--no-progress", f"{self.pool}/{img}")
+                except Exception:  # noqa: BLE001 - the cluster goes away anyway
+                    pass
 
     def teardown(self):
-        for mnt in (self.fsmnt, self.rfmnt):
+        for mnt in (self.fsmnt, self.rfmnt, self.podmnt):
             if os.path.ismount(mnt):
                 run(["umount", "-l", mnt], check=False)
+        if self.mapper.p:
+            self.rss["peak_kib"] = tree_rss_kib(self.mapper.p.pid, "VmHWM")
         self.mapper.stop()
-        for img in (self.raw, self.fsimg):
+        for img in (self.raw, self.fsimg, self.podimg):
             try:
                 self.c.cl.rbd("rm", "--no-progress", f"{self.pool}/{img}")
             except Exception:  # noqa: BLE001 - the cluster goes away anyway
@@ -368,6 +439,23 @@ class Node:
                 run(["umount", self.fsmnt])
         finally:
             self.mapper.detach("bench-fs")
+        res["fio_cpu_s"] = fio_cpu
+        return res
+
+    def mapper_pod(self, wl):
+        workload, bs, qd, ops = wl
+        dev = self.mapper.attach("bench-pod", self.pool, self.podimg)
+        try:
+            run(["mount", "-t", "ext4", dev, self.podmnt])
+            try:
+                f = self.podmnt / "bench.dat"
+                cpu0 = self.mapper.cpu_s()
+                res, fio_cpu = fio(f, workload, bs, qd, ops, self.fs_file_bytes)
+                res["server_cpu_s"] = self.mapper.cpu_s() - cpu0
+            finally:
+                run(["umount", self.podmnt])
+        finally:
+            self.mapper.detach("bench-pod")
         res["fio_cpu_s"] = fio_cpu
         return res
 
@@ -420,7 +508,7 @@ class Node:
             out["server_cpu_s"] = 0.0
             return out
         return {"mapper-block": self.mapper_block, "mapper-fs": self.mapper_fs,
-                "rbd-fuse": self.rbd_fuse}[who](wl)
+                "mapper-pod": self.mapper_pod, "rbd-fuse": self.rbd_fuse}[who](wl)
 
 
 def section_node(c, cfg, errors, tag, rbdkit_bin, pool, rotate, settle):
@@ -446,7 +534,8 @@ def section_node(c, cfg, errors, tag, rbdkit_bin, pool, rotate, settle):
     finally:
         node.teardown()
     return {"contenders": CONTENDERS, "workloads": [wl_key(w) for w in cfg["node_workloads"]],
-            "image_bytes": node.size, "fs_file_bytes": node.fs_file_bytes, "rounds": rounds}
+            "image_bytes": node.size, "fs_file_bytes": node.fs_file_bytes, "rounds": rounds,
+            "rss": node.rss}
 
 
 # --------------------------------------------------------------------------
@@ -467,6 +556,8 @@ def summarize(node, spread, med, target):
                     "mib_s": med([o["iops"] * bs / MiB for o in ok]),
                     "fio_cpu_us_per_op": med([o["fio_cpu_s"] * 1e6 / o["ops"] for o in ok]),
                     "server_cpu_us_per_op": med([o["server_cpu_s"] * 1e6 / o["ops"] for o in ok]),
+                    "server_cpu_s_per_gib": med([o["server_cpu_s"] * GiB / (o["ops"] * bs)
+                                                 for o in ok]),
                     "cluster_cpu_us_per_op": med([o["cluster_cpu_s"] * 1e6 / o["ops"]
                                                   for o in ok]),
                     "lat_mean_us": med([o["lat_mean_us"] for o in ok if "lat_mean_us" in o]),
@@ -480,7 +571,7 @@ def summarize(node, spread, med, target):
                     vals.append(x["iops"] / y["iops"])
             return spread(vals)
 
-        for w in ["mapper-block", "mapper-fs", "rbd-fuse"]:
+        for w in ["mapper-block", "mapper-fs", "mapper-pod", "rbd-fuse"]:
             ratios[f"{w} / rbd-bench|{wk}"] = ratio(w, "rbd-bench")
         ratios[f"mapper-block / rbd-fuse|{wk}"] = ratio("mapper-block", "rbd-fuse")
         ratios[f"mapper-fs / rbd-fuse|{wk}"] = ratio("mapper-fs", "rbd-fuse")
@@ -515,13 +606,16 @@ def render(results, summary, cfg, fmt_ratio, fmt_num):
              "image file. The untimed fsync ends librbd's write-through-until-flush phase, as "
              "`rbd bench` does at open, so `rbd bench` and `rbd-fuse` answer writes from librbd's "
              "write-around cache; the mapper's cache is always write-through (a write is "
-             "answered once RADOS has it). "
+             "answered once RADOS has it). *mapper, ext4 as a pod gets it*: a third image with "
+             "ext4 made as NodeStage makes it (`mkfs.ext4 -m0 -Enodiscard,lazy_itable_init=1,"
+             "lazy_journal_init=1`), mounted with no options, holding a file fio laid out "
+             "itself (fallocated: its extents are unwritten until the runs write them). "
              f"{cfg['node_rounds']} rounds, contenders interleaved. Columns: "
              "throughput over `rbd bench`'s in the same round, median (min–max).")
     L.append("")
     L.append("| workload | rbd bench IOPS (MiB/s) | mapper, block | mapper, ext4 file | "
-             "rbd-fuse + loop | mapper block / rbd-fuse |")
-    L.append("|---|---|---|---|---|---|")
+             "mapper, ext4 as a pod gets it | rbd-fuse + loop | mapper block / rbd-fuse |")
+    L.append("|---|---|---|---|---|---|---|")
     r = s["ratios"]
     for wk in node["workloads"]:
         ref = s["per"].get(f"rbd-bench|{wk}")
@@ -529,6 +623,7 @@ def render(results, summary, cfg, fmt_ratio, fmt_num):
             else "failed"
         L.append(f"| {wk} | {refs} | {fmt_ratio(r.get(f'mapper-block / rbd-bench|{wk}'))} | "
                  f"{fmt_ratio(r.get(f'mapper-fs / rbd-bench|{wk}'))} | "
+                 f"{fmt_ratio(r.get(f'mapper-pod / rbd-bench|{wk}'))} | "
                  f"{fmt_ratio(r.get(f'rbd-fuse / rbd-bench|{wk}'))} | "
                  f"{fmt_ratio(r.get(f'mapper-block / rbd-fuse|{wk}'))} |")
     L.append("")
@@ -564,4 +659,27 @@ def render(results, summary, cfg, fmt_ratio, fmt_num):
                          f"{fmt_num(p['cluster_cpu_us_per_op'])}")
         L.append(f"| {wk} | " + " | ".join(cells) + " |")
     L.append("")
+    L.append("The userspace server's CPU seconds per GiB moved, medians (all its threads; "
+             "kernel threads not counted):")
+    L.append("")
+    servers = [w for w in node["contenders"] if w != "rbd-bench"]
+    L.append("| workload | " + " | ".join(NAMES[w] for w in servers) + " |")
+    L.append("|---|" + "---|" * len(servers))
+    for wk in node["workloads"]:
+        cells = []
+        for w in servers:
+            p = s["per"].get(f"{w}|{wk}")
+            cells.append("–" if not p or "server_cpu_s_per_gib" not in p
+                         else fmt_num(p["server_cpu_s_per_gib"]))
+        L.append(f"| {wk} | " + " | ".join(cells) + " |")
+    L.append("")
+    rss = node.get("rss") or {}
+    if rss.get("attached_kib"):
+        per = (rss["attached_kib"] - rss["idle_kib"]) / rss["images"] / 1024
+        L.append(f"The mapper's resident memory (supervisor + worker, VmRSS): "
+                 f"{fmt_num(rss['idle_kib'] / 1024)} MiB with no image attached, "
+                 f"{fmt_num(rss['attached_kib'] / 1024)} MiB with {rss['images']} images "
+                 f"attached and read (4 KiB, depth 16): **{fmt_num(per)} MiB per mapped image**; "
+                 f"peak over the whole run (VmHWM) {fmt_num(rss.get('peak_kib', 0) / 1024)} MiB.")
+        L.append("")
     return L

@@ -61,7 +61,7 @@
 //! take it over, so there is nothing a healer could reattach to. What we
 //! have instead: surviving any crash *inside* the container (the
 //! supervisor keeps the connection, the restarted worker reopens the
-//! images and asks the kernel to resend what was in flight), which covers
+//! images and serves again, from its journal, what was in flight), which covers
 //! what ceph-csi's healer also covers for crashes, and no need to fetch
 //! secrets from the API server at start-up. What rbd-nbd's healer covers
 //! and we do not: the whole pod being replaced. For that, drain.
@@ -116,7 +116,8 @@ const ATTACH_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long any other request may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
-mod secret_serde {
+/// A [`Secret`] as a JSON string (the key itself: only on the mapper's sockets).
+pub(crate) mod secret_serde {
     use serde::{Deserialize, Deserializer, Serializer};
 
     use crate::rados::Secret;

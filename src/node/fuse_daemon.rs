@@ -38,22 +38,55 @@
 //! `flock` on `<state-dir>/lock` keeps a second worker off the same state
 //! (and proves a previous one is dead).
 //!
-//! What survives, exactly (each point has a test in `tests/node_fuse.rs`):
+//! What survives, exactly (each point has a test in `tests/it/node_fuse.rs`):
 //! - **The data, always**: everything an `fsync` (or `sync`, or unmount)
 //!   returned for was flushed by librbd before the reply, so it is in the
 //!   image whatever dies afterwards (`fsynced_file_survives_kill9_of_the_daemon`).
-//! - **`kill -9` of the worker: the mapping and the mount above it.** The
-//!   supervisor still holds every channel fd, so the kernel's connection,
-//!   the FUSE files and the loop devices stay; I/O waits in the kernel. The
-//!   new worker takes the fds and keys back, re-opens each image under the
-//!   same inode (breaking the dead worker's exclusive lock, below), asks the
-//!   kernel to resend what the dead worker had read but not answered
-//!   (`FUSE_NOTIFY_RESEND`, when INIT reported `FUSE_HAS_RESEND`), and only
-//!   then reads requests. Writes and fsyncs running in a mounted ext4 across
-//!   the kill complete without error, on the same device
-//!   (`mounted_filesystem_survives_kill9_of_the_worker`). A resent write may
-//!   reach the image twice, with the same data at the same offset. The
-//!   control socket is down for the restart (about 100 ms): calls fail fast.
+//! - **`kill -9` of the worker: the mapping and the mount above it, on
+//!   every kernel.** The supervisor still holds every channel fd and the
+//!   request journal, so the kernel's connection, the FUSE files and the
+//!   loop devices stay; I/O waits in the kernel. The new worker takes the
+//!   fds, the journal and the keys back and serves every mapping again
+//!   under the same inode at once; then, in the background, for each
+//!   image: connects with its key, **fences the dead worker** (below),
+//!   re-opens the image and breaks the dead worker's exclusive lock. A
+//!   request for an image not yet open waits; an attempt that fails is
+//!   retried with backoff for `--reopen-timeout` (5 minutes), and only then
+//!   does that image's I/O fail with `EIO`, `status` saying why; its
+//!   `detach` clears the loop device (`a_failed_reopen_is_retried_and_a_lasting_one_fails_cleanly`).
+//!   The requests the dead worker had read and not answered are served
+//!   again from its journal ([`crate::node::fuse_journal`]) before any new
+//!   one is read. This does not need the kernel's `FUSE_NOTIFY_RESEND`
+//!   (Linux 6.9+, and it does not cover FUSE over io_uring), so Linux 5.14,
+//!   6.1 and 6.8 get exactly what 6.18 gets: writes and fsyncs running in a
+//!   mounted ext4 across the kill complete without error, on the same
+//!   device (`mounted_filesystem_survives_kill9_of_the_worker`,
+//!   `worker_kill9_with_writes_and_fsyncs_in_flight`). The control socket
+//!   is down for the restart (about 100 ms): calls fail fast.
+//! - **Requests in flight across a restart.** A request is served again
+//!   only if its reply was never recorded (the journal records a reply
+//!   before writing it), so only if the filesystem above never saw it
+//!   answered. Until a write is answered, nothing the filesystem does can
+//!   depend on it: a write it issued meanwhile to an overlapping range is
+//!   concurrent with it, and a block device leaves the order of concurrent
+//!   writes open; a flush covers only writes answered before it was
+//!   issued. So serving an unanswered write again, even one the dead worker
+//!   had partly done, ends with that write's data, as a block device may.
+//!   What would break this is the dead worker's own requests landing
+//!   *later*: ops still in its sockets or in an OSD's queue overwriting the
+//!   write served again, or a newer acknowledged one. So before any request
+//!   of an image is served, the dead worker's librados client is
+//!   blocklisted and this worker waits for the OSD map that says so (a
+//!   request of ours carries that epoch; an OSD serves it only once it has
+//!   that map, and from then on refuses the blocklisted client), always,
+//!   not only when the image has exclusive-lock
+//!   (`takeover_fences_the_dead_worker_before_answering_its_requests`). If
+//!   the cluster refuses the blocklist (the user lacks the mon cap for
+//!   `osd blocklist`, which `profile rbd` has), the image is not served:
+//!   its I/O waits and then fails with `EIO` as above, rather than risk
+//!   overwriting acknowledged data. The same fence comes before an `attach`
+//!   of a volume the previous instance had mapped (after the whole daemon
+//!   died).
 //! - **`kill -9` of the supervisor (or of the whole container): not the
 //!   mapping.** The worker dies with it (`PR_SET_PDEATHSIG`), the FUSE
 //!   connection with them, so the loop device and a filesystem on it get
@@ -81,7 +114,9 @@
 //! - **A clean stop** (SIGTERM to the supervisor, forwarded to the worker)
 //!   flushes every image, clears the loop devices, unmounts and exits 0:
 //!   mappings end (`clean_stop_flushes_and_clears_everything`).
-//! - **Stale watches** (`--blocklist-dead-clients`, off by default). A dead
+//! - **Stale watches** (`--blocklist-dead-clients`, off by default; a
+//!   worker taking over, or an attach after a restart, always fences, see
+//!   above: this flag is about the mappings nobody attaches again). A dead
 //!   worker's librados client keeps its watch on each image header it had
 //!   open until the OSDs time it out (`osd_client_watch_timeout`, 30 s):
 //!   meanwhile the image shows a watcher, so a single-writer check sees a
@@ -108,12 +143,18 @@
 //!   watchers apart by the addresses it records per volume.
 //!
 //! Keys live only in memory: in the librados connections of the worker
-//! (one per monitors + user) and in the supervisor's store. After the
-//! supervisor is gone too, `attach` brings them again.
+//! and in the supervisor's store; after the supervisor is gone too,
+//! `attach` brings them again. Both processes are non-dumpable (see
+//! [`crate::node::fuse_supervisor`]). Every `attach` of a new volume proves
+//! its key to the cluster (a new librados client authenticates with it), so
+//! a wrong or revoked key fails there; only then may the image use a
+//! cached connection, and only one made with the same key (and monitors,
+//! user and librbd settings): a rotated key gets its own connection
+//! (`a_wrong_revoked_or_rotated_key_gets_no_cached_connection`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{File, OpenOptions};
-use std::io::{BufRead, BufReader, Write};
+use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -128,8 +169,9 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::node::fuse::{
     AttachSpec, AttachmentStatus, ControlRequest, ControlResponse, FuseMapOptions,
 };
+use crate::node::fuse_journal::Journal;
 use crate::node::fuse_kernel::{self as fk, op, InHeader, Reply};
-use crate::node::fuse_supervisor::StoreClient;
+use crate::node::fuse_supervisor::{SecretBuf, StoreClient};
 use crate::node::loopdev;
 use crate::rados::{Cluster, ConnectOptions};
 use crate::rbd::Image;
@@ -160,6 +202,11 @@ pub struct FuseMapperArgs {
     /// blocklist` (`profile rbd` has them). See the module docs.
     #[arg(long = "blocklist-dead-clients")]
     pub blocklist_dead_clients: bool,
+    /// How long a restarted worker keeps trying (with backoff) to re-open
+    /// an image it took over, and to fence its dead predecessor, before it
+    /// fails that image's I/O with EIO. Meanwhile the image's I/O waits.
+    #[arg(long = "reopen-timeout", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub reopen_timeout: Duration,
     /// Run the worker alone, without the supervisor that keeps the FUSE
     /// connection alive across worker restarts.
     #[arg(long = "no-supervisor")]
@@ -234,9 +281,20 @@ struct StateFile {
 struct Node {
     ino: u64,
     name: String,
-    image: Arc<Image>,
+    serving: RwLock<Serving>,
     size: AtomicU64,
     read_only: bool,
+}
+
+/// Whether a file's image is open.
+enum Serving {
+    /// Open: requests go to it.
+    Ready(Arc<Image>),
+    /// Taken over from a dead worker and not open yet (or its predecessor
+    /// not fenced yet): requests wait here, with the last error if any.
+    Waiting(Vec<(InHeader, Reply)>, Option<String>),
+    /// It could not be opened: requests fail with EIO, for this reason.
+    Failed(String),
 }
 
 /// The FUSE filesystem: a root folder of image files.
@@ -256,6 +314,68 @@ fn dir_attr() -> fk::Attr {
 }
 
 impl Node {
+    fn new(ino: u64, name: String, serving: Serving, size: u64, read_only: bool) -> Node {
+        Node {
+            ino,
+            name,
+            serving: RwLock::new(serving),
+            size: AtomicU64::new(size),
+            read_only,
+        }
+    }
+
+    /// The open image, if it is; else the request waits (or fails, when
+    /// the image could not be opened).
+    fn image(&self, hdr: &InHeader, reply: Reply) -> Option<(Arc<Image>, Reply)> {
+        if let Serving::Ready(img) = &*self.serving.read().unwrap_or_else(|e| e.into_inner()) {
+            return Some((Arc::clone(img), reply));
+        }
+        let mut s = self.serving.write().unwrap_or_else(|e| e.into_inner());
+        match &mut *s {
+            Serving::Ready(img) => return Some((Arc::clone(img), reply)),
+            Serving::Waiting(parked, _) => parked.push((*hdr, reply)),
+            Serving::Failed(_) => {
+                drop(s);
+                reply.error(libc::EIO);
+            }
+        }
+        None
+    }
+
+    /// The open image, if it is.
+    fn open_image(&self) -> Option<Arc<Image>> {
+        match &*self.serving.read().unwrap_or_else(|e| e.into_inner()) {
+            Serving::Ready(img) => Some(Arc::clone(img)),
+            _ => None,
+        }
+    }
+
+    /// Why it does not serve, if it does not.
+    fn not_serving(&self) -> Option<String> {
+        match &*self.serving.read().unwrap_or_else(|e| e.into_inner()) {
+            Serving::Ready(_) => None,
+            Serving::Waiting(_, last) => Some(format!(
+                "re-opening the image after a worker restart; its I/O waits{}",
+                last.as_deref()
+                    .map(|e| format!(" (last attempt: {e})"))
+                    .unwrap_or_default()
+            )),
+            Serving::Failed(why) => Some(why.clone()),
+        }
+    }
+
+    /// Sets the state, and returns the requests that waited.
+    fn set(&self, to: Serving) -> Vec<(InHeader, Reply)> {
+        let old = std::mem::replace(
+            &mut *self.serving.write().unwrap_or_else(|e| e.into_inner()),
+            to,
+        );
+        match old {
+            Serving::Waiting(parked, _) => parked,
+            _ => Vec::new(),
+        }
+    }
+
     fn attr(&self) -> fk::Attr {
         let size = self.size.load(Ordering::SeqCst);
         fk::Attr {
@@ -292,20 +412,19 @@ impl Fs {
         }
     }
 
-    /// Answers with `fut`'s result when it completes: the thread that
+    /// Runs `fut` (which answers its request) to its end: the thread that
     /// wakes it (librbd's completion thread) polls it and writes the reply,
     /// saving a hop to a runtime thread per request (measured: about 20 µs
     /// of CPU per 4 KiB request on 2 cores).
-    fn complete<F>(&self, reply: Reply, fut: F)
+    fn complete<F>(&self, fut: F)
     where
-        F: std::future::Future<Output = std::result::Result<Vec<u8>, i32>> + Send + 'static,
+        F: std::future::Future<Output = ()> + Send + 'static,
     {
-        InlineTask::start(reply, fut);
+        InlineTask::start(fut);
     }
 }
 
-type ReplyFuture =
-    std::pin::Pin<Box<dyn std::future::Future<Output = std::result::Result<Vec<u8>, i32>> + Send>>;
+type ReplyFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
 /// A future polled by whoever wakes it: first the reader thread that
 /// submitted the request, then librbd's completion callback. The futures
@@ -313,16 +432,16 @@ type ReplyFuture =
 /// stored, so the poll in the waker only takes the result and sends the
 /// reply (one `writev` to `/dev/fuse`, which does not block).
 struct InlineTask {
-    state: Mutex<Option<(ReplyFuture, Reply)>>,
+    state: Mutex<Option<ReplyFuture>>,
 }
 
 impl InlineTask {
-    fn start<F>(reply: Reply, fut: F)
+    fn start<F>(fut: F)
     where
-        F: std::future::Future<Output = std::result::Result<Vec<u8>, i32>> + Send + 'static,
+        F: std::future::Future<Output = ()> + Send + 'static,
     {
         let task = Arc::new(InlineTask {
-            state: Mutex::new(Some((Box::pin(fut), reply))),
+            state: Mutex::new(Some(Box::pin(fut))),
         });
         task.poll();
     }
@@ -331,17 +450,11 @@ impl InlineTask {
         let waker = std::task::Waker::from(Arc::clone(self));
         let mut cx = std::task::Context::from_waker(&waker);
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let Some((fut, _)) = state.as_mut() else {
+        let Some(fut) = state.as_mut() else {
             return;
         };
-        let std::task::Poll::Ready(out) = fut.as_mut().poll(&mut cx) else {
-            return;
-        };
-        let (_, reply) = state.take().expect("checked above");
-        drop(state);
-        match out {
-            Ok(data) => reply.ok(&data),
-            Err(errno) => reply.error(errno),
+        if fut.as_mut().poll(&mut cx).is_ready() {
+            *state = None;
         }
     }
 }
@@ -364,22 +477,23 @@ fn errno_of(e: &Error) -> i32 {
 }
 
 impl fk::Handler for Fs {
-    fn request(&self, hdr: &InHeader, body: &[u8], reply: Option<Reply>) {
-        let Some(reply) = reply else { return };
+    fn request(&self, hdr: &InHeader, reply: Reply) {
         let ino = hdr.nodeid;
         match hdr.opcode {
+            op::FORGET | op::BATCH_FORGET | op::INTERRUPT => {}
             op::LOOKUP => {
                 if ino != ROOT_INO {
                     return reply.error(libc::ENOENT);
                 }
-                let name = cstr_arg(body);
-                let found = self
-                    .nodes
-                    .read()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .values()
-                    .find(|n| n.name.as_bytes() == name)
-                    .cloned();
+                let found = {
+                    let name = cstr_arg(reply.body());
+                    self.nodes
+                        .read()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .values()
+                        .find(|n| n.name.as_bytes() == name)
+                        .cloned()
+                };
                 match found {
                     Some(n) => {
                         let e = fk::EntryOut {
@@ -401,7 +515,7 @@ impl fk::Handler for Fs {
                     return reply.error(libc::ENOENT);
                 };
                 if hdr.opcode == op::SETATTR {
-                    let Some(s) = fk::read_pod::<fk::SetattrIn>(body) else {
+                    let Some(s) = fk::read_pod::<fk::SetattrIn>(reply.body()) else {
                         return reply.error(libc::EINVAL);
                     };
                     // The size is the image's; only the controller changes it.
@@ -415,7 +529,7 @@ impl fk::Handler for Fs {
                 let Some(n) = self.node(ino) else {
                     return reply.error(libc::ENOENT);
                 };
-                let flags = fk::read_pod::<fk::OpenIn>(body).map_or(0, |o| o.flags as i32);
+                let flags = fk::read_pod::<fk::OpenIn>(reply.body()).map_or(0, |o| o.flags as i32);
                 if n.read_only && flags & libc::O_ACCMODE != libc::O_RDONLY {
                     return reply.error(libc::EROFS);
                 }
@@ -427,40 +541,62 @@ impl fk::Handler for Fs {
                 reply.ok(fk::pod_bytes(&out))
             }
             op::READ => {
-                let (Some(n), Some(r)) = (self.node(ino), fk::read_pod::<fk::ReadIn>(body)) else {
+                let (Some(n), Some(r)) = (self.node(ino), fk::read_pod::<fk::ReadIn>(reply.body()))
+                else {
                     return reply.error(libc::EBADF);
                 };
                 let size = n.size.load(Ordering::SeqCst);
                 if r.offset >= size {
                     return reply.ok(&[]);
                 }
+                let Some((image, reply)) = n.image(hdr, reply) else {
+                    return;
+                };
                 let len = (r.size as u64).min(size - r.offset) as usize;
-                let fut = n.image.aio_read(r.offset, len);
-                self.complete(reply, async move { fut.await.map_err(|e| errno_of(&e)) });
+                let Some(mem) = reply.data_mem(len) else {
+                    return reply.error(libc::EIO);
+                };
+                // Straight into the slot the reply is written from.
+                let fut = image.aio_read_buf(r.offset, mem);
+                self.complete(async move {
+                    match fut.await {
+                        Ok(got) => reply.ok_data(got),
+                        Err(e) => reply.error(errno_of(&e)),
+                    }
+                });
             }
             op::WRITE => {
-                let (Some(n), Some(w)) = (self.node(ino), fk::read_pod::<fk::WriteIn>(body)) else {
+                let (Some(n), Some(w)) =
+                    (self.node(ino), fk::read_pod::<fk::WriteIn>(reply.body()))
+                else {
                     return reply.error(libc::EBADF);
                 };
                 if n.read_only {
                     return reply.error(libc::EROFS);
                 }
-                let start = std::mem::size_of::<fk::WriteIn>();
-                let Some(data) = body.get(start..start + w.size as usize) else {
+                // The data follows `fuse_write_in`, at the slot's data region.
+                if reply.body().len() != std::mem::size_of::<fk::WriteIn>() + w.size as usize {
                     return reply.error(libc::EINVAL);
-                };
+                }
                 if w.offset.saturating_add(w.size as u64) > n.size.load(Ordering::SeqCst) {
                     return reply.error(libc::ENOSPC);
                 }
-                let fut = n.image.aio_write(w.offset, data.to_vec());
-                let written = w.size;
-                self.complete(reply, async move {
-                    fut.await.map_err(|e| errno_of(&e))?;
-                    let out = fk::WriteOut {
-                        size: written,
-                        padding: 0,
-                    };
-                    Ok(fk::pod_bytes(&out).to_vec())
+                let Some((image, reply)) = n.image(hdr, reply) else {
+                    return;
+                };
+                let Some(mem) = reply.data_mem(w.size as usize) else {
+                    return reply.error(libc::EIO);
+                };
+                let fut = image.aio_write_buf(w.offset, mem);
+                let out = fk::WriteOut {
+                    size: w.size,
+                    padding: 0,
+                };
+                self.complete(async move {
+                    match fut.await {
+                        Ok(()) => reply.ok(fk::pod_bytes(&out)),
+                        Err(e) => reply.error(errno_of(&e)),
+                    }
                 });
             }
             op::FSYNC | op::FLUSH => {
@@ -470,15 +606,22 @@ impl fk::Handler for Fs {
                 if n.read_only {
                     return reply.ok(&[]);
                 }
-                let fut = n.image.aio_flush();
-                self.complete(reply, async move {
-                    fut.await.map_err(|e| errno_of(&e))?;
-                    Ok(Vec::new())
+                let Some((image, reply)) = n.image(hdr, reply) else {
+                    return;
+                };
+                let fut = image.aio_flush();
+                self.complete(async move {
+                    match fut.await {
+                        Ok(()) => reply.ok(&[]),
+                        Err(e) => reply.error(errno_of(&e)),
+                    }
                 });
             }
             op::FALLOCATE => {
-                let (Some(n), Some(f)) = (self.node(ino), fk::read_pod::<fk::FallocateIn>(body))
-                else {
+                let (Some(n), Some(f)) = (
+                    self.node(ino),
+                    fk::read_pod::<fk::FallocateIn>(reply.body()),
+                ) else {
                     return reply.error(libc::EBADF);
                 };
                 if n.read_only {
@@ -502,13 +645,18 @@ impl fk::Handler for Fs {
                 if f.offset >= size {
                     return reply.ok(&[]);
                 }
+                let Some((image, reply)) = n.image(hdr, reply) else {
+                    return;
+                };
                 let len = end.min(size) - f.offset;
                 // write_zeroes, not discard: a punched hole must read back
                 // as zeroes, which a partial-object discard does not promise.
-                let fut = n.image.aio_write_zeroes(f.offset, len as usize);
-                self.complete(reply, async move {
-                    fut.await.map_err(|e| errno_of(&e))?;
-                    Ok(Vec::new())
+                let fut = image.aio_write_zeroes(f.offset, len as usize);
+                self.complete(async move {
+                    match fut.await {
+                        Ok(()) => reply.ok(&[]),
+                        Err(e) => reply.error(errno_of(&e)),
+                    }
                 });
             }
             op::RELEASE | op::RELEASEDIR | op::FSYNCDIR | op::DESTROY => reply.ok(&[]),
@@ -519,7 +667,7 @@ impl fk::Handler for Fs {
                 reply.ok(fk::pod_bytes(&fk::OpenOut::default()))
             }
             op::READDIR => {
-                let Some(r) = fk::read_pod::<fk::ReadIn>(body) else {
+                let Some(r) = fk::read_pod::<fk::ReadIn>(reply.body()) else {
                     return reply.error(libc::EINVAL);
                 };
                 let mut entries: Vec<(u64, u32, Vec<u8>)> = vec![
@@ -534,25 +682,28 @@ impl fk::Handler for Fs {
                 {
                     entries.push((n.ino, libc::DT_REG as u32, n.name.as_bytes().to_vec()));
                 }
+                // At most a page: the journal keeps one for a READDIR reply.
+                let max = (r.size as usize).min(4096);
                 let mut out = Vec::new();
                 for (i, (eino, typ, name)) in entries.iter().enumerate().skip(r.offset as usize) {
-                    if !fk::push_dirent(&mut out, r.size as usize, *eino, i as u64 + 1, *typ, name)
-                    {
+                    if !fk::push_dirent(&mut out, max, *eino, i as u64 + 1, *typ, name) {
                         break;
                     }
                 }
                 reply.ok(&out)
             }
             op::STATFS => {
-                let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
-                let bytes: u64 = nodes.values().map(|n| n.size.load(Ordering::SeqCst)).sum();
-                let out = fk::StatfsOut {
-                    blocks: bytes / 4096,
-                    files: nodes.len() as u64 + 1,
-                    bsize: 4096,
-                    frsize: 4096,
-                    namelen: 255,
-                    ..Default::default()
+                let out = {
+                    let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
+                    let bytes: u64 = nodes.values().map(|n| n.size.load(Ordering::SeqCst)).sum();
+                    fk::StatfsOut {
+                        blocks: bytes / 4096,
+                        files: nodes.len() as u64 + 1,
+                        bsize: 4096,
+                        frsize: 4096,
+                        namelen: 255,
+                        ..Default::default()
+                    }
                 };
                 reply.ok(fk::pod_bytes(&out))
             }
@@ -565,11 +716,24 @@ impl fk::Handler for Fs {
 struct Live {
     rec: Record,
     node: Arc<Node>,
-    conn_key: ConnKey,
+    /// The connection serving it; none while it is being taken over.
+    conn_key: Option<ConnKey>,
 }
 
-/// One librados connection per monitors, user and librbd settings.
-type ConnKey = (String, String, Vec<(String, String)>);
+/// One librados connection per monitors, user, librbd settings and key
+/// (a fingerprint of it): images share a connection only when they were
+/// attached with the same key.
+type ConnKey = (String, String, Vec<(String, String)>, u64);
+
+/// A fingerprint of a key, for the connection cache: SipHash with this
+/// process's own random seed (never logged or stored).
+fn key_fingerprint(key: &crate::rados::Secret) -> u64 {
+    use std::hash::BuildHasher;
+    static SEED: std::sync::OnceLock<std::collections::hash_map::RandomState> =
+        std::sync::OnceLock::new();
+    SEED.get_or_init(std::collections::hash_map::RandomState::new)
+        .hash_one(key.expose().as_bytes())
+}
 
 #[derive(Default)]
 struct Table {
@@ -593,6 +757,10 @@ struct Daemon {
     /// `--blocklist-dead-clients`: the previous instance's client
     /// addresses still to blocklist, with their monitors.
     dead_clients: Mutex<Vec<(String, String)>>,
+    /// Dead clients fenced already (blocklisted, OSD map caught up).
+    fenced: Mutex<std::collections::HashSet<String>>,
+    /// `--reopen-timeout`.
+    reopen_timeout: Duration,
 }
 
 fn io_err(e: std::io::Error, op: &'static str, object: &Path) -> Error {
@@ -661,22 +829,18 @@ impl Daemon {
         self.table.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// A connection for `spec`: its key is always proven to the cluster
+    /// first (a new librados client authenticates with it), so a wrong or
+    /// revoked key fails here, and only then is a cached connection made
+    /// with that same key (same monitors, user and settings) used instead
+    /// of the new one.
     fn connect(&self, spec: &AttachSpec, opts: &FuseMapOptions) -> Result<(ConnKey, Cluster)> {
         let key = (
             spec.monitors.join(","),
             spec.user.clone(),
             opts.librbd.clone(),
+            key_fingerprint(&spec.key),
         );
-        if let Some(c) = self
-            .conns
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&key)
-        {
-            let c = c.clone();
-            self.end_dead_clients(&key.0, &c);
-            return Ok((key, c));
-        }
         if spec.monitors.is_empty() {
             return Err(Error::invalid(
                 "attach",
@@ -695,13 +859,62 @@ impl Daemon {
         }
         // Last, so that nothing (an option recorded by an older version
         // either) turns it off: see `require_write_through`.
-        let cluster = options.set("rbd_cache_policy", "writethrough").connect()?;
-        self.conns
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(key.clone(), cluster.clone());
+        let fresh = options.set("rbd_cache_policy", "writethrough").connect()?;
+        let cached = {
+            let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+            match conns.get(&key) {
+                Some(c) => Some(c.clone()),
+                None => {
+                    conns.insert(key.clone(), fresh.clone());
+                    None
+                }
+            }
+        };
+        let cluster = match cached {
+            // The proof is made; the spare client goes.
+            Some(c) => {
+                drop(fresh);
+                c
+            }
+            None => fresh,
+        };
         self.end_dead_clients(&key.0, &cluster);
         Ok((key, cluster))
+    }
+
+    /// Fences a dead instance's librados client: blocklists it and waits
+    /// for the OSD map that says so, so that none of its requests still in
+    /// flight (in its sockets, in an OSD's queue) can land after a request
+    /// we send from now on. Once per address.
+    fn fence(&self, cluster: &Cluster, addr: &str, volume: &str) -> Result<()> {
+        if addr_nonce(addr).is_none_or(|n| n == "0") {
+            return Ok(());
+        }
+        if self
+            .fenced
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(addr)
+        {
+            return Ok(());
+        }
+        cluster
+            .blocklist_add(addr, 0)
+            .and_then(|()| cluster.wait_for_latest_osdmap())
+            .map_err(|e| {
+                e.detail(format!(
+                    "cannot fence the previous worker's client {addr} of {volume} (blocklisting \
+                     it needs the mon cap for `osd blocklist`, as in `profile rbd`): its \
+                     requests still in flight could overwrite newer data, so none of ours is sent"
+                ))
+            })?;
+        self.fenced
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(addr.to_owned());
+        tracing::info!(client = %addr, volume = %volume,
+            "fenced the previous worker's client (blocklisted, OSD map caught up)");
+        Ok(())
     }
 
     /// With `--blocklist-dead-clients`: blocklists the previous instance's
@@ -729,7 +942,11 @@ impl Daemon {
     }
 
     fn drop_conn_if_unused(&self, key: &ConnKey) {
-        let used = self.lock_table().live.values().any(|l| &l.conn_key == key);
+        let used = self
+            .lock_table()
+            .live
+            .values()
+            .any(|l| l.conn_key.as_ref() == Some(key));
         if !used {
             self.conns
                 .lock()
@@ -763,12 +980,16 @@ impl Daemon {
                 }
             }
         }
-        let librbd = match self
-            .conns
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&l.conn_key)
-        {
+        if let Some(why) = l.node.not_serving() {
+            reason = reason.or(Some(why));
+        }
+        let librbd = match l.conn_key.as_ref().and_then(|k| {
+            self.conns
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(k)
+                .cloned()
+        }) {
             Some(c) => l
                 .rec
                 .options
@@ -812,52 +1033,143 @@ impl Daemon {
         }
     }
 
-    /// Re-opens the image of a mapping the previous worker served (same
-    /// inode, file and device), after breaking that worker's lock.
-    fn reopen(&self, rec: &Record, key: &crate::rados::Secret) -> Result<Live> {
-        let spec = AttachSpec {
-            volume_id: rec.volume_id.clone(),
-            monitors: rec.monitors.clone(),
-            user: rec.user.clone(),
-            key: key.clone(),
-            pool: rec.pool.clone(),
-            namespace: rec.namespace.clone(),
-            image: rec.image.clone(),
-            snapshot: rec.snapshot.clone(),
-            read_only: rec.read_only,
-            options: Vec::new(),
-        };
-        let (conn_key, cluster) = self.connect(&spec, &rec.options)?;
-        let ioctx = cluster.ioctx_ns(&rec.pool, &rec.namespace)?;
-        let image = match (&rec.snapshot, rec.read_only) {
-            (Some(snap), _) => Image::open_snapshot(&ioctx, &rec.image, snap)?,
-            (None, true) => Image::open_read_only(&ioctx, &rec.image)?,
-            (None, false) => Image::open(&ioctx, &rec.image)?,
-        };
-        if !rec.read_only {
-            // Refusing here would leave the mounted filesystem's I/O waiting
-            // for good; an override made since the attach is only reported.
-            if let Err(e) = require_write_through(&image, &rec.volume_id) {
-                tracing::error!(volume = %rec.volume_id, error = %e, "serving it anyway");
+    /// One attempt to take over the image of a mapping the previous worker
+    /// served (same inode, file and device): connect with its key (or,
+    /// should that one be refused, another kept for the same user: a
+    /// rotated one), fence the dead worker's client, open the image and
+    /// break that worker's lock.
+    fn take_over(
+        &self,
+        rec: &Record,
+        keys: &[crate::rados::Secret],
+    ) -> Result<(Image, ConnKey, Option<String>)> {
+        let mut last = None;
+        for key in keys {
+            let spec = AttachSpec {
+                volume_id: rec.volume_id.clone(),
+                monitors: rec.monitors.clone(),
+                user: rec.user.clone(),
+                key: key.clone(),
+                pool: rec.pool.clone(),
+                namespace: rec.namespace.clone(),
+                image: rec.image.clone(),
+                snapshot: rec.snapshot.clone(),
+                read_only: rec.read_only,
+                options: Vec::new(),
+            };
+            match self.connect(&spec, &rec.options) {
+                Ok(c) => {
+                    last = Some(Ok(c));
+                    break;
+                }
+                Err(e) => last = Some(Err(e)),
             }
-            break_dead_lock(&image, rec);
         }
-        let size = image.size()?;
-        let mut rec = rec.clone();
-        rec.size = size;
-        rec.client_addr = cluster.addrs().ok();
-        let node = Arc::new(Node {
-            ino: rec.ino,
-            name: rec.file.clone(),
-            image: Arc::new(image),
-            size: AtomicU64::new(size),
-            read_only: rec.read_only,
-        });
-        Ok(Live {
-            rec,
-            node,
-            conn_key,
-        })
+        let (conn_key, cluster) = last.unwrap_or_else(|| {
+            Err(Error::invalid(
+                "attach",
+                &rec.volume_id,
+                "no key kept for it",
+            ))
+        })?;
+        let opened = (|| {
+            if !rec.read_only {
+                if let Some(addr) = &rec.client_addr {
+                    self.fence(&cluster, addr, &rec.volume_id)?;
+                }
+            }
+            let ioctx = cluster.ioctx_ns(&rec.pool, &rec.namespace)?;
+            let image = match (&rec.snapshot, rec.read_only) {
+                (Some(snap), _) => Image::open_snapshot(&ioctx, &rec.image, snap)?,
+                (None, true) => Image::open_read_only(&ioctx, &rec.image)?,
+                (None, false) => Image::open(&ioctx, &rec.image)?,
+            };
+            if !rec.read_only {
+                // Refusing here would leave the mounted filesystem's I/O
+                // waiting for good; an override made since the attach is
+                // only reported.
+                if let Err(e) = require_write_through(&image, &rec.volume_id) {
+                    tracing::error!(volume = %rec.volume_id, error = %e, "serving it anyway");
+                }
+                break_dead_lock(&image, rec);
+            }
+            Ok::<_, Error>(image)
+        })();
+        match opened {
+            Ok(image) => Ok((image, conn_key, cluster.addrs().ok())),
+            Err(e) => {
+                self.drop_conn_if_unused(&conn_key);
+                Err(e)
+            }
+        }
+    }
+
+    /// Takes over every mapping in `todo` (waiting nodes), retrying each
+    /// with backoff until `--reopen-timeout`; then its I/O fails with EIO.
+    /// Requests that waited are served once the image is open.
+    fn take_over_all(&self, todo: Vec<(Record, Vec<crate::rados::Secret>)>) {
+        let started = Instant::now();
+        let mut todo: Vec<_> = todo.into_iter().map(|(r, k)| (r, k, 0u32)).collect();
+        let mut pause = Duration::from_millis(200);
+        while !todo.is_empty() {
+            let mut left = Vec::new();
+            for (rec, keys, tries) in todo {
+                let Some(node) = self.fs.node(rec.ino) else {
+                    continue; // detached meanwhile
+                };
+                let tries = tries + 1;
+                match self.take_over(&rec, &keys) {
+                    Ok((image, conn_key, addr)) => {
+                        let size = image.size().unwrap_or(rec.size);
+                        node.size.store(size, Ordering::SeqCst);
+                        {
+                            let mut t = self.lock_table();
+                            if let Some(l) = t.live.get_mut(&rec.volume_id) {
+                                l.rec.size = size;
+                                l.rec.client_addr = addr;
+                                l.conn_key = Some(conn_key);
+                            }
+                            if let Err(e) = self.save(&t) {
+                                tracing::warn!(error = %e, "cannot save the state");
+                            }
+                        }
+                        let parked = node.set(Serving::Ready(Arc::new(image)));
+                        tracing::info!(volume = %rec.volume_id, device = ?rec.device, tries,
+                            waited = parked.len(), "took over a mapping of the previous worker");
+                        for (hdr, reply) in parked {
+                            fk::Handler::request(&*self.fs, &hdr, reply);
+                        }
+                    }
+                    Err(e) if started.elapsed() + pause < self.reopen_timeout => {
+                        tracing::warn!(volume = %rec.volume_id, tries, error = %e,
+                            "cannot re-open the image of a mapping yet; retrying");
+                        let mut s = node.serving.write().unwrap_or_else(|e| e.into_inner());
+                        if let Serving::Waiting(_, last) = &mut *s {
+                            *last = Some(e.to_string());
+                        }
+                        drop(s);
+                        left.push((rec, keys, tries));
+                    }
+                    Err(e) => {
+                        let why = format!(
+                            "cannot re-open {} after the worker restarted ({tries} attempts in \
+                             {:?}): {e}; its I/O fails (EIO): unstage and stage the volume again",
+                            rec.image_spec(),
+                            started.elapsed()
+                        );
+                        tracing::error!(volume = %rec.volume_id, "{why}");
+                        for (_, reply) in node.set(Serving::Failed(why)) {
+                            reply.error(libc::EIO);
+                        }
+                    }
+                }
+            }
+            todo = left;
+            if !todo.is_empty() {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_secs(10));
+            }
+        }
     }
 
     fn attach(&self, spec: AttachSpec) -> Result<ControlResponse> {
@@ -917,6 +1229,15 @@ impl Daemon {
         let before_restart = self.lock_table().stale.get(&vol).cloned();
         let (conn_key, cluster) = self.connect(&spec, &opts)?;
         let opened = (|| {
+            // The previous instance wrote this image: nothing of it may
+            // land after our writes.
+            if let Some(addr) = before_restart
+                .as_ref()
+                .filter(|_| !read_only)
+                .and_then(|old| old.client_addr.as_deref())
+            {
+                self.fence(&cluster, addr, &vol)?;
+            }
             let ioctx = cluster.ioctx_ns(&spec.pool, &spec.namespace)?;
             let image = match (&spec.snapshot, read_only) {
                 (Some(snap), _) => Image::open_snapshot(&ioctx, &spec.image, snap)?,
@@ -951,13 +1272,13 @@ impl Daemon {
             ino
         };
         let name = file_name(ino, &vol);
-        let node = Arc::new(Node {
+        let node = Arc::new(Node::new(
             ino,
-            name: name.clone(),
-            image: Arc::new(image),
-            size: AtomicU64::new(size),
+            name.clone(),
+            Serving::Ready(Arc::new(image)),
+            size,
             read_only,
-        });
+        ));
         self.fs
             .nodes
             .write()
@@ -1001,7 +1322,7 @@ impl Daemon {
             Live {
                 rec,
                 node,
-                conn_key,
+                conn_key: Some(conn_key),
             },
         );
         self.save(&t)?;
@@ -1046,12 +1367,21 @@ impl Daemon {
         let (live, stale) = {
             let t = self.lock_table();
             (
-                t.live.get(vol).map(|l| (l.rec.clone(), l.conn_key.clone())),
+                t.live
+                    .get(vol)
+                    .map(|l| (l.rec.clone(), l.conn_key.clone(), Arc::clone(&l.node))),
                 t.stale.get(vol).cloned(),
             )
         };
-        if let Some((rec, conn_key)) = live {
+        if let Some((rec, conn_key, node)) = live {
             let file = self.mnt.join(&rec.file);
+            if node.open_image().is_none() {
+                // Taken over but not open (or never to be): what waits for
+                // it fails now, else clearing the device would wait for it.
+                for (_, reply) in node.set(Serving::Failed(format!("{vol} was detached"))) {
+                    reply.error(libc::EIO);
+                }
+            }
             if let Some(dev) = &rec.device {
                 let dev = Path::new(dev);
                 if loopdev::backing_file(dev).as_deref() == Some(file.as_path()) {
@@ -1093,13 +1423,24 @@ impl Daemon {
                     .remove(&l.node.ino);
                 close_node(l.node);
             }
-            self.drop_conn_if_unused(&conn_key);
+            if let Some(k) = conn_key {
+                self.drop_conn_if_unused(&k);
+            }
             if let Some(store) = &self.store {
                 store.drop_key(vol)?;
             }
             tracing::info!(volume = %vol, "detached");
         } else if let Some(rec) = stale {
-            // Its device was cleared at start-up; forget it.
+            // Its device was cleared at start-up (a busy one on its last
+            // close); should it still be bound to our file, clear it.
+            if let Some(dev) = rec.device.as_deref().map(Path::new) {
+                let ours = loopdev::backing_file(dev).is_some_and(|b| {
+                    b.starts_with(&self.mnt) && b.file_name() == Some(rec.file.as_ref())
+                });
+                if ours {
+                    loopdev::detach(dev)?;
+                }
+            }
             let mut t = self.lock_table();
             t.stale.remove(vol);
             self.save(&t)?;
@@ -1132,7 +1473,16 @@ impl Daemon {
             }
         };
         // rbd_get_size refreshes the header when the image changed.
-        let size = node.image.size()?;
+        let Some(image) = node.open_image() else {
+            return Err(Error::with_kind(
+                ErrorKind::Busy,
+                libc::EAGAIN,
+                "refresh",
+                vol.to_owned(),
+                node.not_serving().unwrap_or_default(),
+            ));
+        };
+        let size = image.size()?;
         node.size.store(size, Ordering::SeqCst);
         let file = self.mnt.join(&rec.file);
         // attr_valid is 0, so a stat makes the kernel fetch the new size.
@@ -1332,7 +1682,10 @@ fn close_node(node: Arc<Node>) {
     let Ok(node) = Arc::try_unwrap(node) else {
         return;
     };
-    let mut image = node.image;
+    let Serving::Ready(mut image) = node.serving.into_inner().unwrap_or_else(|e| e.into_inner())
+    else {
+        return;
+    };
     let deadline = Instant::now() + DRAIN_TIMEOUT;
     loop {
         match Arc::try_unwrap(image) {
@@ -1493,15 +1846,30 @@ fn serve_client(daemon: &Daemon, stream: UnixStream) {
     }
     let _ = stream.set_read_timeout(Some(Duration::from_secs(300)));
     let _ = stream.set_write_timeout(Some(Duration::from_secs(30)));
-    let mut reader = BufReader::new(&stream);
-    let mut line = String::new();
+    // An attach carries a key: the bytes are read into a buffer that never
+    // grows (no copy left behind) and is zeroed as each line is consumed.
+    let mut pending = SecretBuf::with_capacity(1 << 20);
     loop {
-        line.clear();
-        match reader.read_line(&mut line) {
-            Ok(0) | Err(_) => return,
-            Ok(_) => {}
-        }
-        let resp = match serde_json::from_str::<ControlRequest>(&line) {
+        let line_end = loop {
+            if let Some(i) = pending.bytes().iter().position(|&b| b == b'\n') {
+                break i;
+            }
+            let before = pending.len();
+            let spare = pending.spare();
+            if spare.is_empty() {
+                return; // a line of 1 MiB: not a request of ours
+            }
+            match (&stream).read(spare) {
+                Ok(0) | Err(_) => {
+                    pending.fill(before, 0);
+                    return;
+                }
+                Ok(n) => pending.fill(before, n),
+            }
+        };
+        let parsed = serde_json::from_slice::<ControlRequest>(&pending.bytes()[..line_end]);
+        pending.consume(line_end + 1);
+        let resp = match parsed {
             // The parse error may quote the input, which may hold a key.
             Err(_) => ControlResponse {
                 ok: false,
@@ -1568,6 +1936,7 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
         // SAFETY: prctl(2) PR_SET_PDEATHSIG with a signal number.
         unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
     }
+    crate::node::fuse_supervisor::no_core_dumps();
     crate::k8s::telemetry::init(crate::k8s::telemetry::LogFormat::Text);
     let state_dir = args.state_dir.clone();
     std::fs::create_dir_all(&state_dir).map_err(|e| io_err(e, "mkdir", &state_dir))?;
@@ -1610,25 +1979,29 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
         ..Default::default()
     };
     let daemon_store = store.clone();
-    let (channels, init, resumed, keys) = match kept {
+    let (channels, journal, held, init, resumed, keys) = match kept {
         Some(crate::node::fuse_supervisor::Kept {
-            session: Some((init, fds)),
+            session: Some((init, mut fds)),
             keys,
-        }) => {
-            // A previous worker died; its connection lives on in the supervisor.
+        }) if !fds.is_empty() => {
+            // A previous worker died; its connection lives on in the
+            // supervisor, and its journal with the requests it had read.
+            let (journal, held) = Journal::open(fds.remove(0))?;
             let channels: Vec<Arc<fk::Channel>> = fds
                 .into_iter()
                 .map(|fd| Arc::new(fk::Channel::from_fd(fd)))
                 .collect();
-            (channels, init, true, keys)
+            (channels, journal, held, init, true, keys)
         }
         other => {
             let cleared = recover(&mnt);
             std::fs::create_dir_all(&mnt).map_err(|e| io_err(e, "mkdir", &mnt))?;
+            let journal = Journal::create()?;
             let session = fk::mount(&mnt, "rbdkit-fuse")?;
             let channels = fk::clone_channels(&session, args.threads)?;
             if let Some(s) = &store {
-                let fds: Vec<_> = channels.iter().map(|c| c.as_fd()).collect();
+                let mut fds = vec![journal.fd()];
+                fds.extend(channels.iter().map(|c| c.as_fd()));
                 s.put_session(session.init, &fds)?;
             }
             if !cleared.is_empty() || !old.attachments.is_empty() {
@@ -1639,7 +2012,7 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
                 );
             }
             let keys = other.map(|k| k.keys).unwrap_or_default();
-            (channels, session.init, false, keys)
+            (channels, journal, Vec::new(), session.init, false, keys)
         }
     };
     tracing::info!(
@@ -1647,7 +2020,7 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
         kernel_minor = init.kernel_minor,
         minor = init.minor,
         max_write = init.max_write,
-        resend = init.resend,
+        kernel_resend = init.resend,
         threads = channels.len(),
         resumed,
         "FUSE filesystem ready"
@@ -1666,26 +2039,50 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
         } else {
             Vec::new()
         }),
+        fenced: Mutex::new(Default::default()),
+        reopen_timeout: args.reopen_timeout,
     });
-    for rec in old.attachments {
-        let key = keys.get(&rec.volume_id);
-        match (resumed, key) {
-            (true, Some(key)) => match daemon.reopen(&rec, key) {
-                Ok(live) => {
-                    fs.nodes
-                        .write()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert(live.node.ino, Arc::clone(&live.node));
-                    tracing::info!(volume = %rec.volume_id, device = ?rec.device, "took over a mapping of the previous worker");
-                    table.live.insert(rec.volume_id.clone(), live);
+    // Every mapping the dead worker served is served again under the same
+    // inode at once; its requests wait until its image is open and the dead
+    // worker fenced (`take_over_all`, below).
+    let mut takeover = Vec::new();
+    for rec in &old.attachments {
+        match (resumed, keys.get(&rec.volume_id)) {
+            (true, Some(key)) => {
+                // Its own key first, then those of the same user (rotated).
+                let mut ks = vec![key.clone()];
+                for r in &old.attachments {
+                    if r.user == rec.user && r.monitors == rec.monitors {
+                        if let Some(k) = keys.get(&r.volume_id) {
+                            if !ks.contains(k) {
+                                ks.push(k.clone());
+                            }
+                        }
+                    }
                 }
-                Err(e) => {
-                    tracing::error!(volume = %rec.volume_id, error = %e, "cannot re-open the image of a mapping");
-                    table.stale.insert(rec.volume_id.clone(), rec);
-                }
-            },
+                let node = Arc::new(Node::new(
+                    rec.ino,
+                    rec.file.clone(),
+                    Serving::Waiting(Vec::new(), None),
+                    rec.size,
+                    rec.read_only,
+                ));
+                fs.nodes
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(rec.ino, Arc::clone(&node));
+                table.live.insert(
+                    rec.volume_id.clone(),
+                    Live {
+                        rec: rec.clone(),
+                        node,
+                        conn_key: None,
+                    },
+                );
+                takeover.push((rec.clone(), ks));
+            }
             _ => {
-                table.stale.insert(rec.volume_id.clone(), rec);
+                table.stale.insert(rec.volume_id.clone(), rec.clone());
             }
         }
     }
@@ -1694,16 +2091,24 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
     }
     *daemon.lock_table() = table;
     daemon.save(&daemon.lock_table())?;
-    // Requests the dead worker had read go back to the queue first, and only
-    // then, with every image open, do we read: a request read by us before
-    // the resend would be moved back and served twice.
-    if resumed && init.resend {
-        fk::notify_resend(&channels[0])?;
+    // The requests the dead worker had read (the kernel keeps them until
+    // they are answered, on every kernel) are served again from its
+    // journal before any new one is read; those of a mapping being taken
+    // over wait for it.
+    if resumed {
+        let (replayed, answered) = fk::replay(&channels, held, &*fs);
         tracing::info!(
-            "asked the kernel to resend the requests the previous worker had not answered"
+            replayed,
+            answered,
+            "journal: took over the requests the previous worker had read and not answered"
         );
     }
-    let readers = fk::serve(&channels, Arc::clone(&fs))?;
+    if !takeover.is_empty() {
+        let daemon = Arc::clone(&daemon);
+        std::thread::spawn(move || daemon.take_over_all(takeover));
+    }
+    journal.start_trimming();
+    let readers = fk::serve(&channels, &journal, Arc::clone(&fs))?;
 
     // The filesystem ends when someone unmounts it: mark every mapping dead.
     {
@@ -1736,7 +2141,7 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
                 .lock_table()
                 .live
                 .values()
-                .map(|l| Arc::clone(&l.node.image))
+                .filter_map(|l| l.node.open_image())
                 .collect();
             for img in images {
                 let _ = img.aio_flush().await;

@@ -24,6 +24,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
+use crate::node::fuse_journal::{Held, Journal, ReplyAt, Slot, SlotMem, State, REPLY_MAX};
 
 /// The protocol version we speak (`FUSE_KERNEL_VERSION`).
 const KERNEL_VERSION: u32 = 7;
@@ -73,8 +74,6 @@ const FUSE_INIT_EXT: u32 = 1 << 30;
 /// `FUSE_HAS_RESEND` (bit 39, so bit 7 of `flags2`): the kernel can resend
 /// the requests a dead server had read (`FUSE_NOTIFY_RESEND`, Linux 6.9+).
 const FUSE2_HAS_RESEND: u32 = 1 << 7;
-/// `FUSE_NOTIFY_RESEND` in `enum fuse_notify_code`.
-const FUSE_NOTIFY_RESEND: i32 = 7;
 
 /// `FOPEN_DIRECT_IO`: no page cache for this open file.
 pub const FOPEN_DIRECT_IO: u32 = 1 << 0;
@@ -295,6 +294,8 @@ pub struct InitInfo {
     /// `max_write` in use.
     pub max_write: u32,
     /// The kernel can resend in-flight requests (`FUSE_HAS_RESEND`).
+    /// Reported only: a restarted worker serves them again from its
+    /// journal on every kernel.
     #[serde(default)]
     pub resend: bool,
 }
@@ -410,7 +411,7 @@ fn answer_init(ch: &Arc<Channel>) -> Result<InitInfo> {
         max_write: MAX_WRITE,
         time_gran: 1,
         max_pages: MAX_PAGES,
-        flags2: init_in.flags2 & FUSE2_HAS_RESEND,
+        flags2: 0,
         ..Default::default()
     };
     reply.ok(pod_bytes(&out));
@@ -440,54 +441,111 @@ pub fn unmount_lazy(path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The answer to one request; send it once, from any thread.
-#[derive(Debug)]
+/// The answer to one request; send it once, from any thread. It owns the
+/// journal slot the request was read into (so the request's bytes stay
+/// until it is answered), and records the reply there before writing it
+/// (see [`crate::node::fuse_journal`]).
 pub struct Reply {
     ch: Arc<Channel>,
     unique: u64,
+    slot: Option<Slot>,
+    len: usize,
+}
+
+impl std::fmt::Debug for Reply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reply")
+            .field("unique", &self.unique)
+            .finish()
+    }
 }
 
 impl Reply {
     fn new(ch: Arc<Channel>, unique: u64) -> Reply {
-        Reply { ch, unique }
+        Reply {
+            ch,
+            unique,
+            slot: None,
+            len: 0,
+        }
     }
 
-    fn send(self, error: i32, parts: &[&[u8]]) {
-        let len = std::mem::size_of::<OutHeader>() + parts.iter().map(|p| p.len()).sum::<usize>();
+    /// The request's bytes after its `fuse_in_header`.
+    pub fn body(&self) -> &[u8] {
+        match &self.slot {
+            Some(s) => s
+                .request(self.len)
+                .get(std::mem::size_of::<InHeader>()..)
+                .unwrap_or(&[]),
+            None => &[],
+        }
+    }
+
+    /// `len` bytes of the slot's data region, lent to librbd: a WRITE's
+    /// payload, or where a READ's data goes (then answer with
+    /// [`Reply::ok_data`]).
+    pub fn data_mem(&self, len: usize) -> Option<SlotMem> {
+        self.slot.as_ref().map(|s| s.data_mem(len))
+    }
+
+    fn write(ch: &Channel, unique: u64, error: i32, payload: &[u8]) {
+        let len = std::mem::size_of::<OutHeader>() + payload.len();
         let hdr = OutHeader {
             len: len as u32,
             error,
-            unique: self.unique,
+            unique,
         };
-        let mut all: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
-        all.push(pod_bytes(&hdr));
-        all.extend_from_slice(parts);
-        // ENOENT: the request was interrupted or the connection aborted;
-        // nobody waits for this answer any more.
-        let _ = self.ch.send(&all);
+        // ENOENT: the request was interrupted or the connection aborted,
+        // or (a recorded reply sent again) it was answered already; nobody
+        // waits for this answer any more.
+        let _ = ch.send(&[pod_bytes(&hdr), payload]);
+    }
+
+    fn finish(mut self, error: i32, at: ReplyAt, payload: &[u8], len: usize) {
+        match self.slot.as_mut() {
+            Some(slot) => {
+                slot.record(error, at, payload, len);
+                let (error, recorded) = slot.recorded();
+                Reply::write(&self.ch, self.unique, error, recorded);
+            }
+            None => Reply::write(&self.ch, self.unique, error, payload),
+        }
     }
 
     /// Success with a payload.
     pub fn ok(self, payload: &[u8]) {
-        self.send(0, &[payload]);
+        let at = if payload.len() <= REPLY_MAX {
+            ReplyAt::Small
+        } else {
+            ReplyAt::Dir
+        };
+        self.finish(0, at, payload, payload.len());
     }
 
-    /// Success with a payload in parts.
-    pub fn ok_parts(self, parts: &[&[u8]]) {
-        self.send(0, parts);
+    /// Success with the `len` bytes a READ put at the slot's data region.
+    pub fn ok_data(self, len: usize) {
+        self.finish(0, ReplyAt::Data, &[], len);
     }
 
     /// Failure with a positive errno.
     pub fn error(self, errno: i32) {
-        self.send(-errno.abs(), &[]);
+        self.finish(-errno.abs(), ReplyAt::Small, &[], 0);
+    }
+
+    /// Sends the reply a previous worker recorded, again.
+    fn resend(self) {
+        if let Some(slot) = &self.slot {
+            let (error, recorded) = slot.recorded();
+            Reply::write(&self.ch, self.unique, error, recorded);
+        }
     }
 }
 
 /// The filesystem side: gets every request except INIT.
 pub trait Handler: Send + Sync + 'static {
-    /// Handles one request. `reply` is `None` for requests that take no
-    /// answer (FORGET, BATCH_FORGET, INTERRUPT).
-    fn request(&self, hdr: &InHeader, body: &[u8], reply: Option<Reply>);
+    /// Handles one request; its body is [`Reply::body`]. FORGET,
+    /// BATCH_FORGET and INTERRUPT take no answer: drop their `reply`.
+    fn request(&self, hdr: &InHeader, reply: Reply);
 }
 
 /// The session's channel plus `threads - 1` clones: one per reader thread.
@@ -499,19 +557,56 @@ pub fn clone_channels(session: &Session, threads: usize) -> Result<Vec<Arc<Chann
     Ok(channels)
 }
 
-/// Starts one reader thread per channel. They return when the filesystem
-/// is unmounted or the connection aborted (`ENODEV`).
+/// Serves again what a previous worker left in `held` (from
+/// [`Journal::open`]): sends recorded replies again and hands unanswered
+/// requests to `handler`, each to be answered on the channel it was read
+/// from. Returns (requests served again, recorded replies sent again).
+pub fn replay<H: Handler>(channels: &[Arc<Channel>], held: Held, handler: &H) -> (usize, usize) {
+    let (mut served, mut resent) = (0, 0);
+    for (slot, state) in held {
+        let Some(ch) = channels.get(slot.channel() as usize) else {
+            tracing::warn!(
+                channel = slot.channel(),
+                "journal slot of an unknown channel"
+            );
+            continue;
+        };
+        let Some(hdr) = read_pod::<InHeader>(slot.request(usize::MAX)) else {
+            continue;
+        };
+        let reply = Reply {
+            ch: Arc::clone(ch),
+            unique: hdr.unique,
+            len: hdr.len as usize,
+            slot: Some(slot),
+        };
+        if state == State::Done {
+            reply.resend();
+            resent += 1;
+        } else {
+            handler.request(&hdr, reply);
+            served += 1;
+        }
+    }
+    (served, resent)
+}
+
+/// Starts one reader thread per channel, each reading requests into slots
+/// of `journal`. They return when the filesystem is unmounted or the
+/// connection aborted (`ENODEV`).
 pub fn serve<H: Handler>(
     channels: &[Arc<Channel>],
+    journal: &Arc<Journal>,
     handler: Arc<H>,
 ) -> Result<Vec<std::thread::JoinHandle<()>>> {
     let mut handles = Vec::new();
     for (i, ch) in channels.iter().enumerate() {
         let h = Arc::clone(&handler);
         let ch = Arc::clone(ch);
+        let j = Arc::clone(journal);
         let t = std::thread::Builder::new()
             .name(format!("fuse-{i}"))
-            .spawn(move || reader(ch, h))
+            .spawn(move || reader(i as u32, ch, j, h))
             .map_err(|e| {
                 Error::from_errno(
                     e.raw_os_error().unwrap_or(libc::EAGAIN),
@@ -524,27 +619,10 @@ pub fn serve<H: Handler>(
     Ok(handles)
 }
 
-/// Asks the kernel to queue again every request a previous server had read
-/// and not answered (`FUSE_NOTIFY_RESEND`), so a restarted server gets them.
-pub fn notify_resend(ch: &Channel) -> Result<()> {
-    let hdr = OutHeader {
-        len: std::mem::size_of::<OutHeader>() as u32,
-        error: FUSE_NOTIFY_RESEND,
-        unique: 0,
-    };
-    ch.send(&[pod_bytes(&hdr)]).map_err(|e| {
-        Error::from_errno(
-            e.raw_os_error().unwrap_or(libc::EIO),
-            "write(FUSE_NOTIFY_RESEND)",
-            "/dev/fuse",
-        )
-    })
-}
-
-fn reader<H: Handler>(ch: Arc<Channel>, handler: Arc<H>) {
-    let mut buf = vec![0u8; BUFFER_SIZE];
+fn reader<H: Handler>(idx: u32, ch: Arc<Channel>, journal: Arc<Journal>, handler: Arc<H>) {
     loop {
-        let n = match ch.read(&mut buf) {
+        let mut slot = journal.acquire(idx);
+        let n = match ch.read(slot.read_buf()) {
             Ok(n) => n,
             // ENOENT: the request was interrupted before we read it.
             Err(e)
@@ -558,17 +636,17 @@ fn reader<H: Handler>(ch: Arc<Channel>, handler: Arc<H>) {
             // ENODEV: unmounted or the connection was aborted.
             Err(_) => return,
         };
-        let Some(hdr) = read_pod::<InHeader>(&buf[..n]) else {
+        slot.mark_in_flight();
+        let Some(hdr) = read_pod::<InHeader>(slot.request(n)) else {
             continue;
         };
-        let start = std::mem::size_of::<InHeader>();
-        let end = (hdr.len as usize).min(n);
-        let body = buf.get(start..end).unwrap_or(&[]);
-        let reply = match hdr.opcode {
-            op::FORGET | op::BATCH_FORGET | op::INTERRUPT => None,
-            _ => Some(Reply::new(Arc::clone(&ch), hdr.unique)),
+        let reply = Reply {
+            ch: Arc::clone(&ch),
+            unique: hdr.unique,
+            len: (hdr.len as usize).min(n),
+            slot: Some(slot),
         };
-        handler.request(&hdr, body, reply);
+        handler.request(&hdr, reply);
     }
 }
 

@@ -9,17 +9,24 @@
 //! When the worker dies (even `kill -9`), the connection, the FUSE files
 //! and the loop devices on them stay; I/O waits in the kernel. The
 //! supervisor starts a new worker, which takes the fds and keys back,
-//! re-opens the images, and asks the kernel to resend the requests the
-//! dead worker had read but not answered (`FUSE_NOTIFY_RESEND`). A
-//! filesystem mounted on a device therefore survives the worker's death.
+//! re-opens the images, and serves again the requests the dead worker had
+//! read but not answered, from the journal it read them into (on every
+//! kernel: see [`crate::node::fuse_daemon`]). A filesystem mounted on a
+//! device therefore survives the worker's death.
 //!
 //! The worker dies with the supervisor (`PR_SET_PDEATHSIG`): if the
 //! supervisor itself goes, everything goes, and the next start recovers
-//! as described in [`crate::node::fuse_daemon`]. Keys are only ever in the
-//! memory of these two processes.
+//! as described in [`crate::node::fuse_daemon`]. The worker's request
+//! journal ([`crate::node::fuse_journal`]) is one more fd kept here.
+//!
+//! Keys are only ever in the memory of these two processes, and not in a
+//! core dump of either: both are non-dumpable (`PR_SET_DUMPABLE` 0: no core
+//! dump, no reading of their memory without `CAP_SYS_PTRACE`), every key
+//! is a [`Secret`] (its own `MADV_DONTDUMP` page, zeroed when dropped), and
+//! the buffers a key passes through on the sockets are zeroed after use.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -50,7 +57,11 @@ enum StoreRequest {
     /// Keep these fds (attached) of the mounted session.
     PutSession { init: InitInfo },
     /// Keep the key of a volume.
-    PutKey { volume_id: String, key: String },
+    PutKey {
+        volume_id: String,
+        #[serde(with = "crate::node::fuse::secret_serde")]
+        key: Secret,
+    },
     /// Forget the key of a volume.
     DropKey { volume_id: String },
     /// Close the session's fds (a clean stop).
@@ -65,8 +76,127 @@ struct StoreResponse {
     #[serde(default)]
     session: Option<InitInfo>,
     #[serde(default)]
-    keys: HashMap<String, String>,
+    keys: Vec<KeptKey>,
 }
+
+/// One volume's key on the wire.
+#[derive(Serialize, Deserialize)]
+struct KeptKey {
+    volume_id: String,
+    #[serde(with = "crate::node::fuse::secret_serde")]
+    key: Secret,
+}
+
+/// Makes this process non-dumpable (`PR_SET_DUMPABLE` 0): no core dump is
+/// written, and no process without `CAP_SYS_PTRACE` may read its memory
+/// (`/proc/PID/mem`, ptrace). Keys are in it.
+pub(crate) fn no_core_dumps() {
+    // SAFETY: prctl(2) PR_SET_DUMPABLE with 0; no pointers.
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
+        tracing::warn!("cannot make the process non-dumpable");
+    }
+}
+
+/// A byte buffer that may hold a key: its capacity is fixed up front (it
+/// never reallocates, leaving a copy behind) and it is zeroed when dropped.
+pub(crate) struct SecretBuf(Vec<u8>);
+
+impl SecretBuf {
+    /// An empty buffer for up to `cap` bytes.
+    pub(crate) fn with_capacity(cap: usize) -> SecretBuf {
+        SecretBuf(Vec::with_capacity(cap))
+    }
+
+    /// `value` as one JSON line, in a buffer of exactly its size.
+    pub(crate) fn json_line<T: Serialize>(value: &T) -> SecretBuf {
+        struct Count(usize);
+        impl Write for Count {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0 += b.len();
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let mut n = Count(0);
+        serde_json::to_writer(&mut n, value).expect("serialises");
+        let mut buf = SecretBuf::with_capacity(n.0 + 1);
+        serde_json::to_writer(&mut buf, value).expect("serialises");
+        buf.0.push(b'\n');
+        buf
+    }
+
+    /// The bytes.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// Appends what fits of `b` without growing; returns how much did.
+    pub(crate) fn push(&mut self, b: &[u8]) -> usize {
+        let n = b.len().min(self.0.capacity() - self.0.len());
+        self.0.extend_from_slice(&b[..n]);
+        n
+    }
+
+    /// Whether it is full.
+    pub(crate) fn is_full(&self) -> bool {
+        self.0.len() == self.0.capacity()
+    }
+
+    /// Drops the first `n` bytes, moving the rest to the front; the bytes
+    /// left behind are zeroed.
+    pub(crate) fn consume(&mut self, n: usize) {
+        let len = self.0.len();
+        let n = n.min(len);
+        self.0.copy_within(n.., 0);
+        crate::rados::zeroize(&mut self.0[len - n..]);
+        self.0.truncate(len - n);
+    }
+
+    /// The spare capacity as a zeroed slice to read into: `fill(n)` then
+    /// keeps `n` bytes of it.
+    pub(crate) fn spare(&mut self) -> &mut [u8] {
+        let len = self.0.len();
+        self.0.resize(self.0.capacity(), 0);
+        &mut self.0[len..]
+    }
+
+    /// Keeps `n` bytes of what [`SecretBuf::spare`] lent.
+    pub(crate) fn fill(&mut self, before: usize, n: usize) {
+        self.0.truncate(before + n);
+    }
+
+    /// How many bytes it holds.
+    pub(crate) fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+impl Write for SecretBuf {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.push(b) < b.len() {
+            return Err(std::io::Error::other("secret buffer full"));
+        }
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for SecretBuf {
+    fn drop(&mut self) {
+        let cap = self.0.capacity();
+        // SAFETY: all `cap` bytes are allocated and any u8 is valid; the
+        // spare ones may hold an earlier message.
+        unsafe { self.0.set_len(cap) };
+        crate::rados::zeroize(&mut self.0);
+    }
+}
+
+/// The largest message on the supervisor socket.
+const MAX_MESSAGE: usize = 1 << 20;
 
 /// What a (re)started worker gets back.
 pub struct Kept {
@@ -129,16 +259,20 @@ fn send_with_fds(stream: &UnixStream, data: &[u8], fds: &[BorrowedFd<'_>]) -> st
 }
 
 /// Reads one newline-terminated message and the fds sent with its first
-/// bytes (`recvmsg(2)`, `MSG_CMSG_CLOEXEC`).
-fn recv_with_fds(stream: &UnixStream) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>)> {
-    let mut buf = vec![0u8; 64 * 1024];
+/// bytes (`recvmsg(2)`, `MSG_CMSG_CLOEXEC`), into a buffer zeroed after use.
+fn recv_with_fds(stream: &UnixStream) -> std::io::Result<(SecretBuf, Vec<OwnedFd>)> {
+    let mut data = SecretBuf::with_capacity(MAX_MESSAGE);
+    let mut chunk = SecretBuf::with_capacity(64 * 1024);
+    // SAFETY: the spare capacity is allocated; recvmsg writes into it and
+    // the length is set to what it wrote, below.
+    unsafe { chunk.0.set_len(chunk.0.capacity()) };
     // SAFETY: CMSG_SPACE only computes a size.
     let space =
         unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<libc::c_int>()) as u32) } as usize;
     let mut cbuf = vec![0u64; space.div_ceil(8)];
     let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
+        iov_base: chunk.0.as_mut_ptr().cast(),
+        iov_len: chunk.0.len(),
     };
     // SAFETY: all-zero is a valid `msghdr`.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
@@ -169,11 +303,16 @@ fn recv_with_fds(stream: &UnixStream) -> std::io::Result<(Vec<u8>, Vec<OwnedFd>)
             c = libc::CMSG_NXTHDR(&msg, c);
         }
     }
-    let mut data = buf[..n as usize].to_vec();
-    if n > 0 && !data.ends_with(b"\n") {
-        let mut rest = Vec::new();
-        BufReader::new(stream).read_until(b'\n', &mut rest)?;
-        data.extend_from_slice(&rest);
+    let mut got = n as usize;
+    loop {
+        data.push(&chunk.0[..got]);
+        if got == 0 || data.bytes().ends_with(b"\n") {
+            break;
+        }
+        if data.is_full() {
+            return Err(std::io::Error::other("message too long"));
+        }
+        got = (&*stream).read(&mut chunk.0)?;
     }
     Ok((data, fds))
 }
@@ -203,11 +342,10 @@ impl StoreClient {
         s.set_read_timeout(Some(STORE_TIMEOUT))
             .and_then(|()| s.set_write_timeout(Some(STORE_TIMEOUT)))
             .map_err(|e| io_err(e, "setsockopt", &self.path))?;
-        let mut line = serde_json::to_vec(req).expect("request serialises");
-        line.push(b'\n');
-        send_with_fds(&s, &line, fds).map_err(|e| io_err(e, "sendmsg", &self.path))?;
+        let line = SecretBuf::json_line(req);
+        send_with_fds(&s, line.bytes(), fds).map_err(|e| io_err(e, "sendmsg", &self.path))?;
         let (data, got) = recv_with_fds(&s).map_err(|e| io_err(e, "recvmsg", &self.path))?;
-        let resp: StoreResponse = serde_json::from_slice(&data).map_err(|_| {
+        let resp: StoreResponse = serde_json::from_slice(data.bytes()).map_err(|_| {
             Error::invalid(
                 "recvmsg",
                 self.path.display().to_string(),
@@ -232,7 +370,7 @@ impl StoreClient {
             keys: resp
                 .keys
                 .into_iter()
-                .map(|(k, v)| (k, Secret::new(v)))
+                .map(|k| (k.volume_id, k.key))
                 .collect(),
         })
     }
@@ -247,7 +385,7 @@ impl StoreClient {
     pub fn put_key(&self, volume_id: &str, key: &Secret) -> Result<()> {
         let req = StoreRequest::PutKey {
             volume_id: volume_id.to_owned(),
-            key: key.expose().to_owned(),
+            key: key.clone(),
         };
         self.call(&req, &[]).map(|_| ())
     }
@@ -287,7 +425,7 @@ fn serve_store(store: &Mutex<Store>, stream: UnixStream) {
     };
     let mut st = store.lock().unwrap_or_else(|e| e.into_inner());
     let reply_fds: Vec<BorrowedFd<'_>>;
-    match serde_json::from_slice::<StoreRequest>(&data) {
+    match serde_json::from_slice::<StoreRequest>(data.bytes()) {
         Err(_) => {
             resp.ok = false;
             resp.error = Some("malformed request".into());
@@ -298,7 +436,10 @@ fn serve_store(store: &Mutex<Store>, stream: UnixStream) {
             resp.keys = st
                 .keys
                 .iter()
-                .map(|(k, v)| (k.clone(), v.expose().to_owned()))
+                .map(|(k, v)| KeptKey {
+                    volume_id: k.clone(),
+                    key: v.clone(),
+                })
                 .collect();
             reply_fds = st
                 .session
@@ -319,7 +460,7 @@ fn serve_store(store: &Mutex<Store>, stream: UnixStream) {
             reply_fds = Vec::new();
         }
         Ok(StoreRequest::PutKey { volume_id, key }) => {
-            st.keys.insert(volume_id, Secret::new(key));
+            st.keys.insert(volume_id, key);
             reply_fds = Vec::new();
         }
         Ok(StoreRequest::DropKey { volume_id }) => {
@@ -331,9 +472,9 @@ fn serve_store(store: &Mutex<Store>, stream: UnixStream) {
             reply_fds = Vec::new();
         }
     }
-    let mut line = serde_json::to_vec(&resp).expect("response serialises");
-    line.push(b'\n');
-    let _ = send_with_fds(&stream, &line, &reply_fds);
+    let line = SecretBuf::json_line(&resp);
+    drop(resp);
+    let _ = send_with_fds(&stream, line.bytes(), &reply_fds);
 }
 
 static STOP: AtomicBool = AtomicBool::new(false);
@@ -358,6 +499,7 @@ fn install_stop_handler() {
 /// Runs the supervisor: keeps the store, starts the worker and restarts it
 /// whenever it dies, until a clean stop.
 pub fn supervise(args: FuseMapperArgs) -> Result<()> {
+    no_core_dumps();
     crate::k8s::telemetry::init(crate::k8s::telemetry::LogFormat::Text);
     let dir = &args.state_dir;
     std::fs::create_dir_all(dir).map_err(|e| io_err(e, "mkdir", dir))?;
@@ -411,6 +553,8 @@ pub fn supervise(args: FuseMapperArgs) -> Result<()> {
             .arg(args.io_threads.to_string())
             .arg("--timeout")
             .arg(humantime::format_duration(args.timeout).to_string())
+            .arg("--reopen-timeout")
+            .arg(humantime::format_duration(args.reopen_timeout).to_string())
             .stdin(Stdio::null())
             .spawn()
             .map_err(|e| io_err(e, "spawn", &exe))?;

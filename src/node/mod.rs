@@ -75,6 +75,7 @@ pub trait Mapper: Send + Sync {
 
 pub mod fuse;
 pub mod fuse_daemon;
+pub mod fuse_journal;
 pub mod fuse_kernel;
 pub mod fuse_supervisor;
 pub mod loopdev;

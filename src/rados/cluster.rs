@@ -32,17 +32,47 @@ const TIMEOUT_OPTIONS: [&str; 3] = [
 
 /// A cephx key. Its `Debug` output is redacted, and it is handed to librados
 /// only through `rados_conf_set("key")`: it is never logged or put in errors.
-/// Its bytes are overwritten with zeroes when it is dropped.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
+///
+/// Its bytes live in a page of their own, mapped for it and marked
+/// `MADV_DONTDUMP`, so a core dump of the process never holds them; they are
+/// overwritten with zeroes when it is dropped.
+pub struct Secret {
+    page: std::ptr::NonNull<u8>,
+    len: usize,
+    cap: usize,
+}
+
+// SAFETY: the page is owned by this value alone (never shared, only read
+// through `&self`), like a `Box<[u8]>`.
+unsafe impl Send for Secret {}
+// SAFETY: as above; `&Secret` only reads.
+unsafe impl Sync for Secret {}
 
 impl Drop for Secret {
     fn drop(&mut self) {
-        // SAFETY: only zero bytes are written, which keeps the String valid
-        // UTF-8; the buffer is freed right after.
-        zeroize(unsafe { self.0.as_mut_vec() });
+        // SAFETY: `page` is our mapping of `cap` writable bytes.
+        zeroize(unsafe { std::slice::from_raw_parts_mut(self.page.as_ptr(), self.cap) });
+        // SAFETY: unmaps exactly the mapping made in `Secret::from_bytes`;
+        // nothing points into it any more.
+        unsafe { libc::munmap(self.page.as_ptr().cast(), self.cap) };
     }
 }
+
+impl Clone for Secret {
+    fn clone(&self) -> Secret {
+        Secret::from_bytes(self.expose().as_bytes())
+    }
+}
+
+impl PartialEq for Secret {
+    fn eq(&self, other: &Secret) -> bool {
+        let (a, b) = (self.expose().as_bytes(), other.expose().as_bytes());
+        // Length, then every byte: no early exit on the first difference.
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+}
+
+impl Eq for Secret {}
 
 /// Overwrites a buffer with zeroes in a way the compiler may not drop as a
 /// dead store.
@@ -125,14 +155,56 @@ fn is_key_option(option: &str) -> bool {
 }
 
 impl Secret {
-    /// Wraps a base64 cephx key.
+    /// Wraps a base64 cephx key. The `String` given is zeroed once its
+    /// bytes are copied into the secret's own page.
     pub fn new(key: impl Into<String>) -> Secret {
-        Secret(key.into())
+        let mut key: String = key.into();
+        let s = Secret::from_bytes(key.as_bytes());
+        // SAFETY: only zero bytes are written, which keeps the String valid
+        // UTF-8; it is dropped right after.
+        zeroize(unsafe { key.as_mut_vec() });
+        s
+    }
+
+    /// Copies UTF-8 `bytes` into a fresh page marked MADV_DONTDUMP.
+    fn from_bytes(bytes: &[u8]) -> Secret {
+        // SAFETY: sysconf(3) has no preconditions.
+        let pagesz = (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as usize;
+        let cap = bytes.len().max(1).div_ceil(pagesz) * pagesz;
+        // SAFETY: a new private anonymous mapping; no address is imposed.
+        let p = unsafe {
+            libc::mmap(
+                ptr::null_mut(),
+                cap,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert!(
+            p != libc::MAP_FAILED,
+            "mmap of a page for a key failed: out of memory"
+        );
+        // SAFETY: `p` is our mapping of `cap` bytes. Failing to mark it (an
+        // old kernel) leaves it dumpable, which is no worse than the heap.
+        unsafe { libc::madvise(p, cap, libc::MADV_DONTDUMP) };
+        // SAFETY: the mapping has room for `bytes`, and does not overlap it.
+        unsafe { ptr::copy_nonoverlapping(bytes.as_ptr(), p.cast::<u8>(), bytes.len()) };
+        Secret {
+            page: std::ptr::NonNull::new(p.cast()).expect("mmap never returns NULL here"),
+            len: bytes.len(),
+            cap,
+        }
     }
 
     /// The key itself. Use only to pass it on to librados.
     pub fn expose(&self) -> &str {
-        &self.0
+        // SAFETY: the first `len` bytes of the page were copied from a `str`
+        // and are never written while `self` lives.
+        unsafe {
+            std::str::from_utf8_unchecked(std::slice::from_raw_parts(self.page.as_ptr(), self.len))
+        }
     }
 }
 
@@ -144,13 +216,13 @@ impl fmt::Debug for Secret {
 
 impl From<String> for Secret {
     fn from(s: String) -> Secret {
-        Secret(s)
+        Secret::new(s)
     }
 }
 
 impl From<&str> for Secret {
     fn from(s: &str) -> Secret {
-        Secret(s.to_owned())
+        Secret::from_bytes(s.as_bytes())
     }
 }
 
@@ -647,6 +719,21 @@ impl Cluster {
             sys::rados_blocklist_add(self.raw(), addr.as_ptr() as *mut c_char, expire_secs)
         };
         cvt(ret, "rados_blocklist_add", || client_addr.to_owned())?;
+        Ok(())
+    }
+
+    /// Waits until this client has the cluster's newest OSD map, so that
+    /// every request it sends from now on carries that epoch, and an OSD
+    /// serves it only once it has that map too (a fence: after
+    /// [`Cluster::blocklist_add`], nothing of the blocklisted client lands
+    /// after a request of ours). Bounded by the mon-op timeout. Wraps
+    /// `rados_wait_for_latest_osdmap`.
+    pub fn wait_for_latest_osdmap(&self) -> Result<()> {
+        // SAFETY: the handle is connected.
+        let ret = unsafe { sys::rados_wait_for_latest_osdmap(self.raw()) };
+        cvt(ret, "rados_wait_for_latest_osdmap", || {
+            self.inner.label.clone()
+        })?;
         Ok(())
     }
 

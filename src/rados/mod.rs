@@ -9,6 +9,8 @@ mod cluster;
 mod ioctx;
 mod omap;
 
+#[cfg(feature = "service")]
+pub(crate) use cluster::zeroize;
 pub use cluster::{
     Cluster, ClusterStats, ConnectOptions, MonCommandReply, Secret, DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_OP_TIMEOUT,

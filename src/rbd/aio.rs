@@ -136,9 +136,31 @@ fn iovec_payload(mut bufs: Vec<Vec<u8>>) -> (Payload, *const sys::iovec, c_int) 
     (Payload::Bufs(bufs, IoVecs { _iov: iov }), p, n)
 }
 
+/// Memory that a request reads into or writes from, owned some other way
+/// than by a `Vec` (a slot of a shared mapping, say): see
+/// [`Image::aio_read_buf`] and [`Image::aio_write_buf`]. The request keeps
+/// the value until librbd is done with the memory, then drops it.
+///
+/// # Safety
+/// `as_mut_ptr` must return memory valid for reads and writes of `len`
+/// bytes for as long as the value lives, not moved when the value moves,
+/// and not read or written by anyone else while a request holds it.
+pub unsafe trait IoBuf: Send + 'static {
+    /// The start of the memory.
+    fn as_mut_ptr(&mut self) -> *mut u8;
+    /// Its length in bytes.
+    fn len(&self) -> usize;
+    /// Whether it is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// What a request owns on librbd's behalf until it completes.
 enum Payload {
     None,
+    /// Read into / written from memory the caller lent (kept, never read).
+    External(#[allow(dead_code)] Box<dyn IoBuf>),
     /// Read into / written from.
     Buf(Vec<u8>),
     /// Written from a buffer other requests (and the caller) may share;
@@ -432,6 +454,10 @@ fn finish_read(
     Ok(buf)
 }
 
+fn finish_len(ret: isize, _: Payload, _: &Out, op: &'static str, object: &str) -> Result<usize> {
+    Ok(crate::error::cvt(ret, op, || object.to_owned())? as usize)
+}
+
 fn finish_readv(
     ret: isize,
     payload: Payload,
@@ -582,6 +608,44 @@ impl Image {
             // owned by the request until the completion fires; `c` is a
             // fresh completion.
             unsafe { sys::rbd_aio_read(raw, offset, len, p.cast(), c) }
+        })
+    }
+
+    /// Reads `buf.len()` bytes at `offset` into memory the caller lends
+    /// ([`IoBuf`]), with no copy or allocation on rbdkit's side; resolves to
+    /// the bytes read (fewer only past the end of the image). The request
+    /// drops `buf` once librbd is done with it. Wraps `rbd_aio_read`.
+    pub fn aio_read_buf<B: IoBuf>(&self, offset: u64, mut buf: B) -> AioFuture<usize> {
+        if let Err(e) = check_buffer(self, "rbd_aio_read", offset, buf.len() as u64) {
+            return self.aio_refused(e, finish_len);
+        }
+        let (p, len) = (buf.as_mut_ptr(), buf.len());
+        let raw = self.raw();
+        let payload = Payload::External(Box::new(buf));
+        self.aio_start("rbd_aio_read", payload, finish_len, |_, c| {
+            // SAFETY: the image is open; `p` is writable for `len` bytes and
+            // reserved for this request while it owns `buf` (the `IoBuf`
+            // contract), which is until the completion fires.
+            unsafe { sys::rbd_aio_read(raw, offset, len, p.cast(), c) }
+        })
+    }
+
+    /// Writes `buf.len()` bytes from memory the caller lends ([`IoBuf`]) at
+    /// `offset`, with no copy on rbdkit's side; the range must lie within
+    /// the image. The request drops `buf` once librbd is done with it.
+    /// Wraps `rbd_aio_write`.
+    pub fn aio_write_buf<B: IoBuf>(&self, offset: u64, mut buf: B) -> AioFuture<()> {
+        if let Err(e) = check_write_range(self, "rbd_aio_write", offset, buf.len() as u64) {
+            return self.aio_refused(e, finish_unit);
+        }
+        let (p, len) = (buf.as_mut_ptr(), buf.len());
+        let raw = self.raw();
+        let payload = Payload::External(Box::new(buf));
+        self.aio_start("rbd_aio_write", payload, finish_unit, |_, c| {
+            // SAFETY: the image is open; `p` is readable for `len` bytes and
+            // reserved for this request while it owns `buf` (the `IoBuf`
+            // contract), which is until the completion fires.
+            unsafe { sys::rbd_aio_write(raw, offset, len, p.cast(), c) }
         })
     }
 

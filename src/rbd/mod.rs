@@ -33,7 +33,7 @@ mod watchers;
 
 #[doc(hidden)]
 pub use aio::aio_live_requests;
-pub use aio::{AioClose, AioFuture, AioOpen, AioRead, MAX_AIO_LEN};
+pub use aio::{AioClose, AioFuture, AioOpen, AioRead, IoBuf, MAX_AIO_LEN};
 pub use clone::{clone, clone_by_snap_id, LinkedImage, ParentInfo};
 pub use config::{config_pool_list, ConfigOption, ConfigSource};
 pub use encryption::{EncryptionAlgorithm, EncryptionFormat, EncryptionSpec};
