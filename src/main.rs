@@ -36,6 +36,11 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // Every subcommand may hold a cephx key (a keyfile, a Secret, the
+    // node-stage secrets, the mapper's keys): no core dump may carry it.
+    if let Err(e) = rbdkit::rados::keep_keys_out_of_core_dumps() {
+        eprintln!("rbdkit: warning: {e}");
+    }
     let cli = Cli::parse();
     match cli.command {
         Command::Image(args) => match rbdkit::cli::run_image(args) {

@@ -257,7 +257,6 @@ impl Controller for ControllerService {
     ) -> Result<Response<CreateVolumeResponse>, Status> {
         let req = req.into_inner();
         let name = required("name", &req.name)?.to_owned();
-        check_caps(&req.volume_capabilities, true)?;
         let source = match req
             .volume_content_source
             .as_ref()
@@ -271,6 +270,8 @@ impl Controller for ControllerService {
                 Some(Source::Volume(volume_id(&v.volume_id)?))
             }
         };
+        // ReadOnlyMany is fine for a restore or a clone: it has content.
+        check_caps(&req.volume_capabilities, source.is_none())?;
         let raw: BTreeMap<String, String> = req.parameters.clone().into_iter().collect();
         let params =
             ClassParams::parse_csi(&raw).map_err(|e| Status::invalid_argument(e.to_string()))?;
@@ -827,12 +828,6 @@ impl Controller for ControllerService {
             .as_ref()
             .ok_or_else(|| Status::invalid_argument("capacity_range is missing"))?;
         let (size, _, _) = size_for(Some(range))?;
-        let block = matches!(
-            req.volume_capability
-                .as_ref()
-                .and_then(|c| c.access_type.as_ref()),
-            Some(volume_capability::AccessType::Block(_))
-        );
         let _busy = self.driver.begin(&req.volume_id)?;
         let conn = self.driver.connect(&vol.cluster_id, &req.secrets).await?;
         let name = self.driver.name.clone();
@@ -852,7 +847,10 @@ impl Controller for ControllerService {
         tracing::info!(volume = %vol, bytes = new_size, "ControllerExpandVolume done");
         Ok(Response::new(ControllerExpandVolumeResponse {
             capacity_bytes: new_size as i64,
-            node_expansion_required: !block,
+            // Block too: krbd's device grows by itself, but the loop device
+            // of rbdkit-fuse only when NodeExpandVolume asks the mapper to
+            // re-read the size. The controller does not know the mapper.
+            node_expansion_required: true,
         }))
     }
 

@@ -112,6 +112,21 @@ pub struct CsiArgs {
     #[arg(long, default_value = "30s")]
     pub ceph_op_timeout: humantime::Duration,
 
+    /// Break the staging lock of a node that died with a volume staged:
+    /// once an image locked by another node has had no watcher for
+    /// --dead-lock-grace, blocklist that node's clients (the lock holder and
+    /// the data-path clients it recorded) and take the lock over. Without
+    /// it such a stage is refused, naming the holder. Needs a mon cap that
+    /// allows `osd blocklist` (`profile rbd` does).
+    #[arg(long)]
+    pub break_dead_locks: bool,
+
+    /// How long an image locked by another node must have had no watcher
+    /// before --break-dead-locks fences that node (longer than any stage
+    /// takes between taking the lock and mapping).
+    #[arg(long, default_value = "5m")]
+    pub dead_lock_grace: humantime::Duration,
+
     /// Bound on each readiness check of Probe.
     #[arg(long, default_value = "2s")]
     pub probe_timeout: humantime::Duration,
@@ -242,7 +257,8 @@ pub async fn run_until(
         }
         Some(
             node::NodeService::new(Arc::clone(&driver), list, default, args.state_dir.clone())
-                .default_fs(args.default_fstype.clone()),
+                .default_fs(args.default_fstype.clone())
+                .break_dead_locks(args.break_dead_locks.then(|| args.dead_lock_grace.into())),
         )
     } else {
         None

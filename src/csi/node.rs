@@ -3,19 +3,53 @@
 //!
 //! Layout under a staging path, as kubelet gives it:
 //! - `<staging>/rbdkit.json`: the stash, what unstaging needs (mapper,
-//!   device, options). Written before the image is mapped, so a crash at
-//!   any later point leaves enough to clean up.
+//!   device, options, the staging lock). Written before the lock is taken
+//!   and the image mapped, so a crash at any later point leaves enough to
+//!   clean up.
 //! - `<staging>/volume`: the filesystem's mount point (a directory), or,
 //!   for Block volumes, a file the device is bind-mounted onto.
 //!
 //! Publishing bind-mounts `<staging>/volume` onto the target path. Each
 //! step checks what is already in place, so kubelet may repeat any of them
 //! after a crash.
+//!
+//! **One writer.** A read-write stage takes the image's staging lock
+//! ([`crate::node::stage_lock`]) before it maps and checks it again after
+//! the map, before mkfs or mount: of two nodes racing for an RWO or RWOP
+//! volume exactly one stages it, and the other gets FAILED_PRECONDITION
+//! naming the holder, with nothing mapped. Multi-node-multi-writer Block
+//! (RWX, live migration) takes it shared, so any number of nodes stage it,
+//! and none exclusively meanwhile. Read-only stages take no lock. Unstaging
+//! releases it. A node that died with the lock is fenced (its clients
+//! blocklisted) and its lock broken only with `--break-dead-locks`, once the
+//! image has had no watcher for `--dead-lock-grace`; otherwise the stage is
+//! refused naming the holder. NodeUnstageVolume carries no secrets: it
+//! releases with the credentials an earlier call brought; after a restart
+//! of this server with none yet, the release waits (in the state dir) for
+//! the next call that brings credentials for that cluster.
+//!
+//! **Checked before anything is done**: the filesystem type and
+//! `mkfsOptions` ([`fs::check_mkfs_options`]: an allow-list per mkfs, so no
+//! option reads or writes a host path). A stage repeated at the same
+//! staging path with another capability (Block or Mount, fsType, access
+//! mode, read-only, mount flags) is ALREADY_EXISTS, as the CSI spec asks.
+//!
+//! **Read-only stages** mount with `noload` (ext3/4) or `norecovery` (xfs):
+//! a restored snapshot of a mounted filesystem needs its journal replayed,
+//! which a read-only device cannot do ([`fs::mount_options`]).
+//!
+//! **Expansion.** ControllerExpandVolume asks for NodeExpandVolume for
+//! every volume, Block ones too: a krbd device grows by itself (the kernel
+//! client sees the header change), but the loop device over the
+//! rbdkit-fuse file does not, until NodeExpandVolume asks the mapper to
+//! re-read the size (`refresh`, `LOOP_SET_CAPACITY`). For a filesystem it
+//! then grows the filesystem.
 
 use std::collections::HashMap;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use tonic::{Request, Response, Status};
@@ -31,10 +65,11 @@ use crate::csi::proto::{
     NodeUnstageVolumeRequest, NodeUnstageVolumeResponse, Topology, VolumeCapability,
     VolumeCondition, VolumeUsage,
 };
+use crate::node::stage_lock::{self, Acquired, ImageLock, LockMode};
 use crate::node::{fs, mount, options, MapSpec, Mapper};
-use crate::rbd::Image;
 use crate::volume::ops::VolumeError;
 use crate::volume::params::{NodeParams, MAP_OPTIONS, UNMAP_OPTIONS};
+use crate::volume::VolumeId;
 use crate::Error;
 
 /// The stash file's name under the staging path.
@@ -61,11 +96,52 @@ pub struct Stash {
     /// Target paths it is published at.
     #[serde(default)]
     pub published: Vec<PathBuf>,
+    /// The capability's access mode (`volume_capability::access_mode::Mode`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub access_mode: Option<i32>,
+    /// The capability's mount flags.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mount_flags: Option<Vec<String>>,
+    /// The staging lock this node took for it, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lock: Option<LockMode>,
 }
 
 impl Stash {
     fn path(staging: &Path) -> PathBuf {
         staging.join(STASH)
+    }
+
+    /// Whether a stage with this capability is the one recorded (fields a
+    /// stash of an older version lacks are not compared).
+    fn compatible(
+        &self,
+        fs_type: Option<&str>,
+        read_only: bool,
+        mode: i32,
+        flags: &[String],
+    ) -> bool {
+        let sorted = |f: &[String]| {
+            let mut v = f.to_vec();
+            v.sort();
+            v
+        };
+        self.fs_type.as_deref() == fs_type
+            && self.read_only == read_only
+            && self.access_mode.is_none_or(|m| m == mode)
+            && self
+                .mount_flags
+                .as_ref()
+                .is_none_or(|f| sorted(f) == sorted(flags))
+    }
+
+    fn remove(staging: &Path) -> Result<(), Status> {
+        let p = Stash::path(staging);
+        match std::fs::remove_file(&p) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(io_status("remove", &p, e)),
+        }
     }
 
     /// Reads the stash under `staging`, `None` if there is none.
@@ -111,6 +187,27 @@ pub struct NodeService {
     default_mapper: String,
     state_dir: PathBuf,
     default_fs: String,
+    /// `--break-dead-locks`: the grace period, when on.
+    break_dead: Option<Duration>,
+    /// Per volume: the other nodes' locks seen with no watcher on the image,
+    /// and since when.
+    dead_seen: Mutex<HashMap<String, DeadSeen>>,
+}
+
+/// Other nodes' lock holders (client, cookie) of an image seen with no
+/// watcher, and since when.
+type DeadSeen = (Vec<(String, String)>, Instant);
+
+/// A request's secrets, zeroed when dropped (the key's copy in the request).
+struct Secrets(HashMap<String, String>);
+
+impl Drop for Secrets {
+    fn drop(&mut self) {
+        for v in self.0.values_mut() {
+            // SAFETY: only zero bytes are written, which keeps it valid UTF-8.
+            crate::rados::zeroize(unsafe { v.as_mut_vec() });
+        }
+    }
 }
 
 impl NodeService {
@@ -129,7 +226,18 @@ impl NodeService {
             default_mapper,
             state_dir,
             default_fs: "ext4".to_owned(),
+            break_dead: None,
+            dead_seen: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// `--break-dead-locks`: with `Some(grace)`, a stage that finds another
+    /// node's lock on an image nobody has watched for `grace` fences that
+    /// node and takes the lock over ([`stage_lock::ImageLock::fence_and_break`]);
+    /// with `None` (the default) it is refused, naming the holder.
+    pub fn break_dead_locks(mut self, grace: Option<Duration>) -> NodeService {
+        self.break_dead = grace;
+        self
     }
 
     /// The filesystem for mount volumes whose capability names none
@@ -188,32 +296,232 @@ impl NodeService {
             .unwrap_or_default()
     }
 
+    /// Adds `watchers` to this node's own, keeping the latest 32.
     fn record_own_watchers(&self, volume_id: &str, watchers: &[String]) {
+        let mut all = self.own_watchers(volume_id);
+        all.retain(|w| !watchers.contains(w));
+        all.extend(watchers.iter().cloned());
+        let keep = all.len().saturating_sub(32);
         let p = self.own_watchers_path(volume_id);
-        if let Err(e) = write_atomic(&p, watchers.join("\n").as_bytes()) {
+        if let Err(e) = write_atomic(&p, all[keep..].join("\n").as_bytes()) {
             tracing::warn!(path = %p.display(), error = %e, "cannot record own watchers");
         }
     }
 
-    /// The addresses watching the image of `vol`.
-    async fn watchers(
+    /// Runs `f` on the staging lock of `vol`'s image, on the blocking pool,
+    /// with the credentials in `secrets` (or those known from an earlier
+    /// call).
+    async fn with_lock<T: Send + 'static>(
         &self,
-        vol: &crate::volume::VolumeId,
+        vol: &VolumeId,
         secrets: &HashMap<String, String>,
-    ) -> Result<Vec<String>, Status> {
+        f: impl FnOnce(&ImageLock) -> crate::Result<T> + Send + 'static,
+    ) -> Result<T, Status> {
         let conn = self.driver.connect(&vol.cluster_id, secrets).await?;
         let v = vol.clone();
         self.driver
             .ceph(&conn, move |c, _m| {
-                let io = c.ioctx_ns(&v.pool, &v.rados_namespace)?;
-                let img = Image::open_read_only(&io, &v.image)?;
-                Ok(img.watchers()?.into_iter().map(|w| w.addr).collect())
+                let lock = ImageLock::open(c, &v.pool, &v.rados_namespace, &v.image)?;
+                Ok(f(&lock)?)
             })
             .await
             .map_err(|e| match e {
                 VolumeError::Ceph(e) => status_of(&e),
                 other => Status::internal(other.to_string()),
             })
+    }
+
+    /// Takes the staging lock of `vol` in `mode` for this node. Another
+    /// node's lock is a FAILED_PRECONDITION naming it, unless
+    /// `--break-dead-locks` is on and that node looks dead: no client has
+    /// watched the image for the grace period. Then its clients are
+    /// blocklisted and its lock broken first.
+    async fn take_lock(
+        &self,
+        vol: &VolumeId,
+        id: &str,
+        secrets: &HashMap<String, String>,
+        mode: LockMode,
+        mapped_here: bool,
+    ) -> Result<(), Status> {
+        let node = self.driver.node_id.clone();
+        for round in 0..3 {
+            let n = node.clone();
+            let got = self
+                .with_lock(vol, secrets, move |l| l.acquire(mode, &n))
+                .await?;
+            let holders = match got {
+                Acquired::Taken | Acquired::Ours => {
+                    self.dead_seen_lock().remove(id);
+                    return Ok(());
+                }
+                Acquired::OursInOtherMode if !mapped_here && round == 0 => {
+                    // An interrupted stage with another capability: nothing
+                    // of it is mapped, so its lock can go.
+                    let n = node.clone();
+                    self.with_lock(vol, secrets, move |l| l.release(&n)).await?;
+                    continue;
+                }
+                Acquired::OursInOtherMode => {
+                    return Err(Status::failed_precondition(format!(
+                    "image {vol} is staged on this node with another access mode; unstage it first"
+                )))
+                }
+                Acquired::Refused(h) => h,
+            };
+            let who = stage_lock::describe(&holders);
+            let how = "If that node is dead, fence it (blocklist its clients) and break the \
+                       lock, or run the node plugin with --break-dead-locks to have that done \
+                       once the image has had no watcher for --dead-lock-grace.";
+            let refused = |why: String| {
+                Status::failed_precondition(format!(
+                    "image {vol} is locked for staging by {who} (lock {:?} on its header): {why}. {how}",
+                    stage_lock::LOCK_NAME
+                ))
+            };
+            let held_by = "it is staged there, and a read-write volume is staged on one node \
+                           at a time (unstage it there first)";
+            let Some(grace) = self.break_dead else {
+                return Err(refused(held_by.to_owned()));
+            };
+            let watchers = self.with_lock(vol, secrets, |l| l.watchers()).await?;
+            if !watchers.is_empty() {
+                self.dead_seen_lock().remove(id);
+                return Err(refused(format!(
+                    "{held_by}; {} watch the image",
+                    watchers.join(", ")
+                )));
+            }
+            let key: Vec<(String, String)> = holders
+                .lockers
+                .iter()
+                .map(|l| (l.client.clone(), l.cookie.clone()))
+                .collect();
+            let since = {
+                let mut seen = self.dead_seen_lock();
+                match seen.get(id) {
+                    Some((k, t)) if *k == key => *t,
+                    _ => {
+                        seen.insert(id.to_owned(), (key, Instant::now()));
+                        Instant::now()
+                    }
+                }
+            };
+            if since.elapsed() < grace {
+                return Err(refused(format!(
+                    "no client has watched the image for {} s; if none does for {} s, that \
+                     node is fenced and its lock broken (--break-dead-locks)",
+                    since.elapsed().as_secs(),
+                    grace.as_secs()
+                )));
+            }
+            let lockers = holders.lockers.clone();
+            let me = stage_lock::cookie(&node);
+            let fenced = self
+                .with_lock(vol, secrets, move |l| {
+                    let mut all = Vec::new();
+                    for h in lockers.iter().filter(|h| h.cookie != me) {
+                        all.extend(l.fence_and_break(h)?);
+                    }
+                    Ok(all)
+                })
+                .await
+                .map_err(|e| {
+                    Status::failed_precondition(format!(
+                        "image {vol} is locked for staging by {who}, which has not watched it \
+                         for {} s, but its lock is not broken: {}",
+                        grace.as_secs(),
+                        e.message()
+                    ))
+                })?;
+            tracing::warn!(volume = %vol, holders = %who, blocklisted = ?fenced,
+                "fenced a node that died with the staging lock and broke its lock");
+            self.dead_seen_lock().remove(id);
+        }
+        Err(Status::aborted(format!(
+            "the staging lock of image {vol} kept changing hands; try again"
+        )))
+    }
+
+    fn dead_seen_lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, DeadSeen>> {
+        self.dead_seen.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn pending_dir(&self) -> PathBuf {
+        self.state_dir.join("release")
+    }
+
+    /// Releases this node's staging lock of `id`, with the credentials
+    /// known from earlier calls. With none (this server restarted since),
+    /// the release is recorded and done by the next call that brings
+    /// credentials for the cluster ([`NodeService::release_pending`]).
+    async fn release_lock(&self, id: &str) -> Result<(), Status> {
+        let vol = volume_id(id)?;
+        if !self.driver.clusters_known().contains(&vol.cluster_id) {
+            let p = self
+                .pending_dir()
+                .join(self.index_path(id).file_name().unwrap_or_default());
+            std::fs::create_dir_all(self.pending_dir())
+                .and_then(|()| write_atomic(&p, id.as_bytes()))
+                .map_err(|e| io_status("write", &p, e))?;
+            tracing::warn!(volume = %vol,
+                "no credentials for the cluster since this server started: the staging lock is released at the next call that brings them");
+            return Ok(());
+        }
+        let node = self.driver.node_id.clone();
+        match self
+            .with_lock(&vol, &HashMap::new(), move |l| l.release(&node))
+            .await
+        {
+            // The image is gone, and its lock with its header.
+            Err(s) if s.code() == tonic::Code::NotFound => Ok(()),
+            other => other,
+        }
+    }
+
+    /// Does the releases [`NodeService::release_lock`] had to defer, for
+    /// the cluster `secrets` are for (best effort: a failure is retried
+    /// next time). `staging_now` is left alone: its stage takes the lock.
+    async fn release_pending(
+        &self,
+        cluster_id: &str,
+        secrets: &HashMap<String, String>,
+        staging_now: &str,
+    ) {
+        let Ok(entries) = std::fs::read_dir(self.pending_dir()) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let Ok(id) = std::fs::read_to_string(e.path()) else {
+                continue;
+            };
+            let Ok(vol) = VolumeId::parse(&id) else {
+                let _ = std::fs::remove_file(e.path());
+                continue;
+            };
+            if vol.cluster_id != cluster_id {
+                continue;
+            }
+            let done = if id == staging_now {
+                Ok(())
+            } else {
+                let node = self.driver.node_id.clone();
+                self.with_lock(&vol, secrets, move |l| l.release(&node))
+                    .await
+            };
+            match done {
+                Ok(()) => {
+                    let _ = std::fs::remove_file(e.path());
+                    tracing::info!(volume = %vol, "released a deferred staging lock");
+                }
+                Err(s) if s.code() == tonic::Code::NotFound => {
+                    let _ = std::fs::remove_file(e.path());
+                }
+                Err(s) => {
+                    tracing::warn!(volume = %vol, error = %s.message(), "deferred staging lock release failed; retried later")
+                }
+            }
+        }
     }
 
     fn forget(&self, volume_id: &str) {
@@ -278,6 +586,19 @@ fn is_single_writer(cap: &VolumeCapability) -> bool {
     cap.access_mode.as_ref().map(|m| m.mode) == Some(Mode::SingleNodeSingleWriter as i32)
 }
 
+/// The staging lock a read-write stage takes: shared for multi-node
+/// multi-writer Block (several nodes, as KubeVirt's live migration needs),
+/// exclusive for everything else.
+fn lock_mode_of(cap: &VolumeCapability) -> LockMode {
+    use volume_capability::access_mode::Mode;
+    let mode = cap.access_mode.as_ref().map(|m| m.mode);
+    if is_block(cap) && mode == Some(Mode::MultiNodeMultiWriter as i32) {
+        LockMode::Shared
+    } else {
+        LockMode::Exclusive
+    }
+}
+
 /// Makes sure a regular file exists at `path` (a bind-mount target for a
 /// block device).
 fn ensure_file(path: &Path) -> std::io::Result<()> {
@@ -339,7 +660,8 @@ impl Node for NodeService {
         &self,
         req: Request<NodeStageVolumeRequest>,
     ) -> Result<Response<NodeStageVolumeResponse>, Status> {
-        let req = req.into_inner();
+        let mut req = req.into_inner();
+        let secrets = Secrets(std::mem::take(&mut req.secrets));
         let id = required("volume_id", &req.volume_id)?.to_owned();
         let staging = PathBuf::from(required("staging_target_path", &req.staging_target_path)?);
         let cap = req
@@ -350,11 +672,24 @@ impl Node for NodeService {
         let _busy = self.driver.begin(&id)?;
         let block = is_block(&cap);
         let read_only = is_read_only(&cap);
+        let mode = cap.access_mode.as_ref().map_or(0, |m| m.mode);
         let target = staging.join(VOLUME);
         let ctx: std::collections::BTreeMap<String, String> =
             req.volume_context.clone().into_iter().collect();
         let node_params =
             NodeParams::from_context(&ctx).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let (fs_type, flags) = mount_of(&cap, &self.default_fs);
+        let fs_type = (!block).then_some(fs_type);
+        let mkfs = ctx
+            .get(crate::volume::params::MKFS_OPTIONS)
+            .map(|s| fs::parse_mkfs_options(s))
+            .unwrap_or_default();
+        // Bad input is refused before anything is done.
+        if let Some(t) = &fs_type {
+            fs::check_mkfs_options(t, &mkfs).map_err(|e| {
+                Status::invalid_argument(format!("NodeStageVolume of volume {id}: {e}"))
+            })?;
+        }
         let mapper_name = node_params
             .mounter
             .clone()
@@ -368,12 +703,55 @@ impl Node for NodeService {
                     .cloned(),
             );
         }
+        // Each mapper's mapOptions/unmapOptions, checked up front too.
+        let mut mapper_opts = HashMap::new();
+        for m in &candidates {
+            let map = mapper_options(&ctx, MAP_OPTIONS, m.name())?;
+            let unmap = mapper_options(&ctx, UNMAP_OPTIONS, m.name())?;
+            mapper_opts.insert(m.name(), (map, unmap));
+        }
+        let lock_mode = match (read_only, lock_mode_of(&cap)) {
+            (true, _) => None,
+            (false, m) => Some(m),
+        };
 
-        // Done already (a repeat after success, or kubelet retrying)?
-        if let Some(stash) = Stash::read(&staging)? {
-            let t = target.clone();
-            if stash.device.is_some() && blocking(move || mount::is_mount_point(&t)).await? {
-                return Ok(Response::new(NodeStageVolumeResponse {}));
+        // Done already (a repeat after success, or kubelet retrying)? With
+        // another capability, that is ALREADY_EXISTS.
+        let old_stash = Stash::read(&staging)?;
+        if let Some(stash) = &old_stash {
+            if stash.device.is_some() {
+                if !stash.compatible(fs_type.as_deref(), read_only, mode, &flags) {
+                    return Err(Status::already_exists(format!(
+                        "volume {id} is staged at {} with another capability (was: {}{}, {}); \
+                         unstage it first",
+                        staging.display(),
+                        stash.fs_type.as_deref().unwrap_or("block"),
+                        stash
+                            .access_mode
+                            .map(|m| format!(", access mode {m}"))
+                            .unwrap_or_default(),
+                        if stash.read_only {
+                            "read-only"
+                        } else {
+                            "read-write"
+                        },
+                    )));
+                }
+                let t = target.clone();
+                if blocking(move || mount::is_mount_point(&t)).await? {
+                    // After a restart of this server, learn the credentials
+                    // here: unstaging needs them to release the lock.
+                    if !self.driver.clusters_known().contains(&vol.cluster_id)
+                        && self
+                            .driver
+                            .connect(&vol.cluster_id, &secrets.0)
+                            .await
+                            .is_ok()
+                    {
+                        self.release_pending(&vol.cluster_id, &secrets.0, &id).await;
+                    }
+                    return Ok(Response::new(NodeStageVolumeResponse {}));
+                }
             }
         }
         if !staging.is_dir() {
@@ -383,15 +761,14 @@ impl Node for NodeService {
             )));
         }
 
-        let creds = credentials(&req.secrets)?.ok_or_else(|| {
+        let creds = credentials(&secrets.0)?.ok_or_else(|| {
             Status::invalid_argument(
                 "NodeStageVolume carries no secrets: the StorageClass must name a node-stage Secret with userID and userKey",
             )
         })?;
         let info = self.driver.cluster(&vol.cluster_id)?;
+        self.release_pending(&vol.cluster_id, &secrets.0, &id).await;
 
-        // Single writer: a read-write stage needs the image unused, unless
-        // this node's mapper is the one holding it (a repeat).
         let mut already_mapped = None;
         for m in &candidates {
             let m2 = Arc::clone(m);
@@ -401,37 +778,91 @@ impl Node for NodeService {
                 break;
             }
         }
-        if !read_only && already_mapped.is_none() {
-            let watchers = self.watchers(&vol, &req.secrets).await?;
-            // A mapper of this node that died leaves its watch behind until
-            // the OSD times it out; that one is ours, not another writer.
-            let own = self.own_watchers(&id);
-            let foreign: Vec<String> = watchers.into_iter().filter(|w| !own.contains(w)).collect();
-            if !foreign.is_empty() {
-                return Err(Status::failed_precondition(format!(
-                    "image {vol} is already in use read-write by {} (another node has it staged); it can be staged read-write on one node only",
-                    foreign.join(", ")
-                )));
-            }
-        }
 
+        // The stash first: a crash from here on leaves what unstaging
+        // needs (the lock to release, the mapping to undo).
         let mut stash = Stash {
             volume_id: id.clone(),
             mapper: mapper_name.clone(),
             device: None,
-            fs_type: (!block).then(|| mount_of(&cap, &self.default_fs).0),
+            fs_type: fs_type.clone(),
             read_only,
             unmap_options: Vec::new(),
             published: Vec::new(),
+            access_mode: Some(mode),
+            mount_flags: Some(flags.clone()),
+            lock: lock_mode,
         };
+        if let Some(old) = &old_stash {
+            stash.mapper = old.mapper.clone();
+            stash.unmap_options = old.unmap_options.clone();
+            stash.device = old.device.clone();
+            stash.lock = old.lock.or(lock_mode);
+        }
+        stash.write(&staging)?;
+        let mapped_here = already_mapped.is_some();
+        // Undoes this call's stash and lock when nothing is mapped here.
+        let (id_r, staging_r, vol_r) = (&id, &staging, &vol);
+        let abandon = move |why: Status| async move {
+            if !mapped_here {
+                if lock_mode.is_some() {
+                    if let Err(e) = self.release_lock(id_r).await {
+                        tracing::warn!(volume = %vol_r, error = %e.message(), "cannot release the staging lock");
+                    }
+                }
+                if let Err(e) = Stash::remove(staging_r) {
+                    tracing::warn!(error = %e.message(), "cannot remove the stash");
+                }
+            }
+            why
+        };
+
+        // Single writer: the lock before the map.
+        if let Some(lm) = lock_mode {
+            if let Err(e) = self.take_lock(&vol, &id, &secrets.0, lm, mapped_here).await {
+                // Not ours to release: only undo the stash.
+                if !mapped_here {
+                    Stash::remove(&staging)?;
+                }
+                return Err(e);
+            }
+        }
+        // Who watches it before this node maps it. For a single writer, a
+        // watcher that is not this node's is a client that maps it without
+        // the lock (a node staged before the lock existed): refused.
+        let before = if lock_mode.is_some() && !mapped_here {
+            match self.with_lock(&vol, &secrets.0, |l| l.watchers()).await {
+                Ok(w) => w,
+                Err(e) => return Err(abandon(e).await),
+            }
+        } else {
+            Vec::new()
+        };
+        if lock_mode == Some(LockMode::Exclusive) && !mapped_here {
+            let own = self.own_watchers(&id);
+            let foreign: Vec<&String> = before.iter().filter(|w| !own.contains(w)).collect();
+            if !foreign.is_empty() {
+                let names: Vec<&str> = foreign.iter().map(|s| s.as_str()).collect();
+                return Err(abandon(Status::failed_precondition(format!(
+                    "image {vol} is already in use read-write by {} (a client that is not \
+                     this node's; another node has it mapped); it can be staged read-write on \
+                     one node only",
+                    names.join(", ")
+                )))
+                .await);
+            }
+        }
+
         let (mapper, device) = match already_mapped {
             Some(found) => found,
             None => {
                 let mut last_err = None;
                 let mut mapped = None;
                 for m in candidates {
+                    let (options, unmap_options) =
+                        mapper_opts.get(m.name()).cloned().unwrap_or_default();
                     stash.mapper = m.name().to_owned();
-                    stash.unmap_options = mapper_options(&ctx, UNMAP_OPTIONS, m.name())?;
+                    stash.unmap_options = unmap_options;
                     stash.write(&staging)?;
                     let spec = MapSpec {
                         volume_id: id.clone(),
@@ -443,7 +874,7 @@ impl Node for NodeService {
                         image: vol.image.clone(),
                         snapshot: None,
                         read_only,
-                        options: mapper_options(&ctx, MAP_OPTIONS, m.name())?,
+                        options,
                     };
                     let m2 = Arc::clone(&m);
                     match blocking(move || m2.map(&spec)).await {
@@ -460,8 +891,12 @@ impl Node for NodeService {
                 match mapped {
                     Some(x) => x,
                     None => {
-                        return Err(last_err
-                            .unwrap_or_else(|| Status::internal("no mapper could map the image")))
+                        return Err(abandon(
+                            last_err.unwrap_or_else(|| {
+                                Status::internal("no mapper could map the image")
+                            }),
+                        )
+                        .await)
                     }
                 }
             }
@@ -470,10 +905,50 @@ impl Node for NodeService {
         stash.device = Some(device.clone());
         stash.write(&staging)?;
         self.remember(&id, &staging)?;
-        if !read_only {
-            // Every watcher now is this node's mapper (or a dead one of it).
-            let now = self.watchers(&vol, &req.secrets).await?;
-            self.record_own_watchers(&id, &now);
+
+        // The lock again, now that the image is mapped: if another node took
+        // it in between (broke it as a dead node's), this node must not
+        // write. Only then mkfs and mount.
+        if let Some(lm) = lock_mode {
+            let n = self.driver.node_id.clone();
+            let check = self
+                .with_lock(&vol, &secrets.0, move |l| {
+                    Ok((l.holds(lm, &n)?, l.watchers()?))
+                })
+                .await;
+            let after = match check {
+                Ok((true, after)) => after,
+                Ok((false, _)) | Err(_) => {
+                    let why = match check {
+                        Err(e) => format!("cannot check it: {}", e.message()),
+                        _ => "another node took it".to_owned(),
+                    };
+                    if !mapped_here {
+                        let (m, id2, opts) =
+                            (Arc::clone(&mapper), id.clone(), stash.unmap_options.clone());
+                        blocking(move || m.unmap(&id2, &opts)).await?;
+                        Stash::remove(&staging)?;
+                        self.forget(&id);
+                    }
+                    return Err(Status::aborted(format!(
+                        "the staging lock of image {vol} was lost while mapping it ({why}); \
+                         nothing was written"
+                    )));
+                }
+            };
+            if !mapped_here {
+                // This node's data-path clients: fenced before a node that
+                // finds this one dead may break its lock.
+                let mine: Vec<String> = after.into_iter().filter(|w| !before.contains(w)).collect();
+                self.record_own_watchers(&id, &mine);
+                let (n, all) = (self.driver.node_id.clone(), self.own_watchers(&id));
+                if let Err(e) = self
+                    .with_lock(&vol, &secrets.0, move |l| l.record_clients(&n, &all))
+                    .await
+                {
+                    tracing::warn!(volume = %vol, error = %e.message(), "cannot record the data-path clients");
+                }
+            }
         }
 
         if block {
@@ -481,11 +956,7 @@ impl Node for NodeService {
             let (d, t) = (device.clone(), target.clone());
             blocking(move || mount::ensure_bind(&d, &t, read_only)).await?;
         } else {
-            let (fs_type, flags) = mount_of(&cap, &self.default_fs);
-            let mkfs = ctx
-                .get(crate::volume::params::MKFS_OPTIONS)
-                .map(|s| fs::parse_mkfs_options(s))
-                .unwrap_or_default();
+            let fs_type = fs_type.unwrap_or_else(|| self.default_fs.clone());
             std::fs::create_dir_all(&target).map_err(|e| io_status("create", &target, e))?;
             let (d, t) = (device.clone(), target.clone());
             blocking(move || {
@@ -504,7 +975,7 @@ impl Node for NodeService {
             })
             .await?;
         }
-        tracing::info!(volume = %vol, device = %device.display(), staging = %staging.display(), "NodeStageVolume done");
+        tracing::info!(volume = %vol, device = %device.display(), staging = %staging.display(), lock = ?lock_mode, "NodeStageVolume done");
         Ok(Response::new(NodeStageVolumeResponse {}))
     }
 
@@ -531,12 +1002,12 @@ impl Node for NodeService {
             let id2 = id.clone();
             blocking(move || m.unmap(&id2, &opts)).await?;
         }
-        let p = Stash::path(&staging);
-        match std::fs::remove_file(&p) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io_status("remove", &p, e)),
+        // Unmapped: now another node may have it. A failure leaves the
+        // stash, so kubelet's retry releases it.
+        if stash.as_ref().is_some_and(|s| s.lock.is_some()) {
+            self.release_lock(&id).await?;
         }
+        Stash::remove(&staging)?;
         self.forget(&id);
         tracing::info!(volume = %id, staging = %staging.display(), "NodeUnstageVolume done");
         Ok(Response::new(NodeUnstageVolumeResponse {}))
@@ -711,7 +1182,8 @@ impl Node for NodeService {
         &self,
         req: Request<NodeExpandVolumeRequest>,
     ) -> Result<Response<NodeExpandVolumeResponse>, Status> {
-        let req = req.into_inner();
+        let mut req = req.into_inner();
+        let secrets = Secrets(std::mem::take(&mut req.secrets));
         let id = required("volume_id", &req.volume_id)?.to_owned();
         let path = PathBuf::from(required("volume_path", &req.volume_path)?);
         if !path.exists() {
@@ -730,8 +1202,15 @@ impl Node for NodeService {
             .device
             .clone()
             .ok_or_else(|| Status::failed_precondition(format!("volume {id} is not mapped")))?;
+        if let (Ok(vol), false) = (VolumeId::parse(&id), secrets.0.is_empty()) {
+            if credentials(&secrets.0)?.is_some() {
+                self.release_pending(&vol.cluster_id, &secrets.0, "").await;
+            }
+        }
         let mapper = self.mapper(&stash.mapper)?;
         let id2 = id.clone();
+        // A Block volume too: krbd's device has grown by itself, the loop
+        // device of rbdkit-fuse grows here (LOOP_SET_CAPACITY).
         let size = blocking(move || mapper.refresh_size(&id2)).await?;
         if let Some(fs_type) = stash.fs_type.clone() {
             let mnt = staging.join(VOLUME);

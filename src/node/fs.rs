@@ -116,6 +116,271 @@ pub fn parse_mkfs_options(value: &str) -> Vec<String> {
     value.split_whitespace().map(str::to_owned).collect()
 }
 
+/// How an option of a `mkfs` program may be given in `mkfsOptions`.
+#[derive(Clone, Copy)]
+enum Allowed {
+    /// A flag without a value.
+    Flag,
+    /// A value matching the check.
+    Value(fn(&str) -> bool),
+    /// A comma list of suboptions (`name` or `name=value`): the names
+    /// allowed, each value a plain word (no `/`).
+    Suboptions(&'static [&'static str]),
+    /// Refused, with the reason.
+    Refused(&'static str),
+}
+
+fn number(v: &str) -> bool {
+    let digits = v.trim_end_matches(['k', 'K', 'm', 'M', 'g', 'G', 's', 'b']);
+    !digits.is_empty() && digits.chars().all(|c| c.is_ascii_digit() || c == '.')
+}
+
+fn word(v: &str) -> bool {
+    !v.is_empty()
+        && v.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_-.:^,=+".contains(c))
+}
+
+fn any_text(v: &str) -> bool {
+    !v.is_empty() && !v.contains('\0')
+}
+
+const HOST_PATH: &str =
+    "it makes mkfs read or write a path of the host, which the node plugin's privileges would allow";
+
+/// The options of mke2fs (`mkfs.ext2/3/4`) that `mkfsOptions` may use: its
+/// getopt letters, each allowed with a checked value or refused by name.
+fn mke2fs_option(letter: char) -> Option<Allowed> {
+    use Allowed::*;
+    Some(match letter {
+        'b' | 'C' | 'g' | 'G' | 'i' | 'I' | 'm' | 'N' => Value(number),
+        'e' => Value(|v| ["continue", "remount-ro", "panic"].contains(&v)),
+        'j' | 'q' | 'v' | 'D' | 'F' | 'K' => Flag,
+        'E' => Suboptions(&[
+            "stride",
+            "stripe_width",
+            "stripe-width",
+            "resize",
+            "lazy_itable_init",
+            "lazy_journal_init",
+            "assume_storage_prezeroed",
+            "packed_meta_blocks",
+            "num_backup_sb",
+            "root_owner",
+            "test_fs",
+            "discard",
+            "nodiscard",
+            "quotatype",
+            "encoding",
+            "encoding_flags",
+            "orphan_file_size",
+            "mmp_update_interval",
+            "hash_seed",
+        ]),
+        'J' => Suboptions(&["size", "fast_commit_size", "location"]),
+        'L' | 'M' => Value(any_text),
+        'o' | 'O' | 'T' | 'U' => Value(word),
+        'r' => Value(|v| v == "0" || v == "1"),
+        'd' => Refused(
+            "-d copies a directory or tarball of the host into the new filesystem, and              the node plugin can read every file of the host",
+        ),
+        'l' => Refused("-l reads a bad-blocks list from a file of the host"),
+        'z' => Refused("-z writes an undo file on the host"),
+        'c' => Refused("-c scans the whole device for bad blocks (hours on a large image)"),
+        'n' => Refused("-n makes no filesystem (a dry run)"),
+        'S' => Refused("-S rewrites only the superblocks, over whatever the device holds"),
+        't' => Refused("-t: the filesystem type is the volume capability's fsType"),
+        'R' | 's' => Refused("an obsolete option"),
+        'V' => Refused("-V makes no filesystem"),
+        _ => return None,
+    })
+}
+
+/// The same for mkfs.xfs.
+fn mkfs_xfs_option(letter: char) -> Option<Allowed> {
+    use Allowed::*;
+    Some(match letter {
+        'b' | 's' => Suboptions(&["size", "log"]),
+        'd' => Suboptions(&[
+            "agcount",
+            "agsize",
+            "cowextsize",
+            "daxinherit",
+            "extszinherit",
+            "noalign",
+            "projinherit",
+            "size",
+            "su",
+            "sunit",
+            "sw",
+            "swidth",
+            "concurrency",
+        ]),
+        'i' => Suboptions(&[
+            "align",
+            "attr",
+            "maxpct",
+            "perblock",
+            "projid32bit",
+            "size",
+            "sparse",
+            "nrext64",
+            "exchange",
+        ]),
+        'l' => Suboptions(&[
+            "agnum",
+            "internal",
+            "size",
+            "su",
+            "sunit",
+            "version",
+            "lazy-count",
+            "sectsize",
+            "concurrency",
+        ]),
+        'm' => Suboptions(&[
+            "crc",
+            "finobt",
+            "uuid",
+            "rmapbt",
+            "reflink",
+            "inobtcount",
+            "bigtime",
+            "autofsck",
+            "metadir",
+        ]),
+        'n' => Suboptions(&["size", "version", "ftype", "parent"]),
+        'L' => Value(any_text),
+        'K' | 'q' | 'f' => Flag,
+        'r' => Refused("-r makes a realtime section, on a device of the host (rtdev=)"),
+        'p' => Refused("-p reads a prototype file of the host and copies host files in"),
+        'c' => Refused("-c reads a configuration file of the host"),
+        'N' => Refused("-N makes no filesystem (a dry run)"),
+        'V' => Refused("-V makes no filesystem"),
+        _ => return None,
+    })
+}
+
+/// Suboptions with a meaning of their own that is refused.
+fn refused_suboption(letter: char, name: &str, value: Option<&str>) -> Option<&'static str> {
+    match (letter, name) {
+        ('l', "logdev")
+        | ('l', "name")
+        | ('l', "file")
+        | ('d', "name")
+        | ('d', "file")
+        | ('r', _) => Some(HOST_PATH),
+        ('J', "device") => Some(HOST_PATH),
+        ('l', "internal") if matches!(value, Some("0")) => Some(
+            "an external log lives on another device of the host; only the internal log \
+             is allowed",
+        ),
+        ('E', "offset") => Some("the filesystem would start past the start of the volume"),
+        ('E', "android_sparse") => Some("it writes a sparse file, not the device"),
+        _ => None,
+    }
+}
+
+/// Checks `mkfsOptions` for `fstype` before anything is done with them: only
+/// known, safe options of that type's mkfs are allowed, each named in the
+/// error when refused. The argv rbdkit builds is `mkfs.<type> [options]
+/// <device>`, and the node plugin runs it with the host's privileges, so an
+/// option that reads or writes a host path (`-d /` of mke2fs, `logdev=` of
+/// mkfs.xfs), one that makes no filesystem, or anything that is not an
+/// option at all (a word that mkfs would take as the device or its size) is
+/// refused. Parsed as getopt does (`-m0`, `-qF`, `-E a,b=1`), so what is
+/// checked is what mkfs sees.
+pub fn check_mkfs_options<S: AsRef<str>>(fstype: &str, options: &[S]) -> Result<()> {
+    let (program, table): (&str, fn(char) -> Option<Allowed>) = match fstype {
+        "ext4" | "ext3" | "ext2" => ("mke2fs", mke2fs_option),
+        "xfs" => ("mkfs.xfs", mkfs_xfs_option),
+        _ => return check_fstype(fstype, "mkfsOptions", fstype),
+    };
+    let refuse = |what: &str, why: String| {
+        Err(Error::invalid(
+            "mkfsOptions",
+            format!("{program} option {what}"),
+            why,
+        ))
+    };
+    let mut args = options.iter().map(|s| s.as_ref());
+    while let Some(arg) = args.next() {
+        let Some(letters) = arg
+            .strip_prefix('-')
+            .filter(|l| !l.is_empty() && !l.starts_with('-'))
+        else {
+            return refuse(
+                &format!("{arg:?}"),
+                format!(
+                    "not an option: each word must be a {program} option such as -L label \
+                     (mkfs would take other words for the device or its size)"
+                ),
+            );
+        };
+        for (i, letter) in letters.char_indices() {
+            let flag = format!("-{letter}");
+            let Some(allowed) = table(letter) else {
+                return refuse(
+                    &flag,
+                    format!("{flag} is not an option {program} is allowed here"),
+                );
+            };
+            let value = match allowed {
+                Allowed::Flag => continue,
+                Allowed::Refused(why) => return refuse(&flag, why.to_owned()),
+                Allowed::Value(_) | Allowed::Suboptions(_) => {
+                    let rest = &letters[i + letter.len_utf8()..];
+                    if rest.is_empty() {
+                        match args.next() {
+                            Some(v) => v,
+                            None => return refuse(&flag, format!("{flag} needs a value")),
+                        }
+                    } else {
+                        rest
+                    }
+                }
+            };
+            match allowed {
+                Allowed::Value(ok) if !ok(value) => {
+                    return refuse(
+                        &flag,
+                        format!("{flag} {value:?} is not a value it takes here"),
+                    )
+                }
+                Allowed::Suboptions(names) => {
+                    for sub in value.split(',') {
+                        let (name, v) = match sub.split_once('=') {
+                            Some((n, v)) => (n, Some(v)),
+                            None => (sub, None),
+                        };
+                        if let Some(why) = refused_suboption(letter, name, v) {
+                            return refuse(&format!("{flag} {name}"), format!("{name}: {why}"));
+                        }
+                        if !names.contains(&name) {
+                            return refuse(
+                                &format!("{flag} {name}"),
+                                format!(
+                                    "{flag} {name:?} is not a suboption allowed here (allowed: {})",
+                                    names.join(", ")
+                                ),
+                            );
+                        }
+                        if v.is_some_and(|v| !word(v) || v.contains('=')) {
+                            return refuse(
+                                &format!("{flag} {name}"),
+                                format!("{flag} {sub:?}: the value must be a plain word"),
+                            );
+                        }
+                    }
+                }
+                _ => {}
+            }
+            break;
+        }
+    }
+    Ok(())
+}
+
 /// Makes an `fstype` filesystem on `device` if, and only if, it is blank.
 ///
 /// `mkfs_options` replace [`default_mkfs_options`] when not empty. Returns
@@ -126,6 +391,7 @@ pub fn make_fs<S: AsRef<str>>(device: &Path, fstype: &str, mkfs_options: &[S]) -
     let dev = device.display().to_string();
     let op = mkfs_op(fstype);
     check_fstype(fstype, op, &dev)?;
+    check_mkfs_options(fstype, mkfs_options)?;
     match probe(device)? {
         Probe::Blank => {}
         Probe::Filesystem(t) if t == fstype => return Ok(false),
@@ -167,13 +433,31 @@ fn mkfs_op(fstype: &str) -> &'static str {
 }
 
 /// The mount options to use for `fstype`: `options` plus what the type
-/// needs. xfs always gets `nouuid`, because a clone or a restored snapshot
-/// carries the same filesystem UUID as its parent and xfs refuses to mount
-/// a second filesystem with a UUID already mounted.
+/// needs.
+/// - xfs always gets `nouuid`, because a clone or a restored snapshot
+///   carries the same filesystem UUID as its parent and xfs refuses to mount
+///   a second filesystem with a UUID already mounted.
+/// - A read-only mount (`ro`) of ext3/ext4 gets `noload` and of xfs
+///   `norecovery`: a snapshot taken while the filesystem was mounted keeps
+///   "needs recovery", and replaying the journal (log) needs a writable
+///   device, which a read-only volume's is not (the mount fails with
+///   `EROFS`). What is seen is the filesystem as of its last checkpoint:
+///   what was still only in the journal when the snapshot was taken is not.
 pub fn mount_options<S: AsRef<str>>(fstype: &str, options: &[S]) -> Vec<String> {
     let mut out: Vec<String> = options.iter().map(|s| s.as_ref().to_owned()).collect();
-    if fstype == "xfs" && !out.iter().flat_map(|o| o.split(',')).any(|o| o == "nouuid") {
+    let has = |out: &[String], want: &str| out.iter().flat_map(|o| o.split(',')).any(|o| o == want);
+    if fstype == "xfs" && !has(&out, "nouuid") {
         out.push("nouuid".to_owned());
+    }
+    if has(&out, "ro") {
+        let skip_replay = match fstype {
+            "ext4" | "ext3" => Some("noload"),
+            "xfs" => Some("norecovery"),
+            _ => None,
+        };
+        if let Some(o) = skip_replay.filter(|o| !has(&out, o)) {
+            out.push(o.to_owned());
+        }
     }
     out
 }
@@ -340,6 +624,83 @@ mod tests {
         );
         assert_eq!(mount_options("ext4", &["noatime"]), ["noatime"]);
         assert_eq!(mount_options::<&str>("xfs", &[]), ["nouuid"]);
+    }
+
+    #[test]
+    fn read_only_mounts_skip_the_journal_replay() {
+        assert_eq!(mount_options("ext4", &["ro"]), ["ro", "noload"]);
+        assert_eq!(
+            mount_options("ext3", &["noatime,ro"]),
+            ["noatime,ro", "noload"]
+        );
+        assert_eq!(
+            mount_options("xfs", &["ro"]),
+            ["ro", "nouuid", "norecovery"]
+        );
+        assert_eq!(mount_options("ext4", &["ro", "noload"]), ["ro", "noload"]);
+        assert_eq!(mount_options("ext2", &["ro"]), ["ro"]);
+        assert_eq!(mount_options("ext4", &["rw"]), ["rw"]);
+    }
+
+    #[test]
+    fn mkfs_options_are_checked_against_an_allow_list() {
+        let ok = |t: &str, o: &str| check_mkfs_options(t, &parse_mkfs_options(o));
+        for (t, o) in [
+            (
+                "ext4",
+                "-m0 -Enodiscard,lazy_itable_init=1,lazy_journal_init=1",
+            ),
+            (
+                "ext4",
+                "-b 1024 -L data -O ^metadata_csum,64bit -qF -E root_owner=1000:1000",
+            ),
+            ("ext3", "-j -J size=64 -i 16384 -T news -U random"),
+            ("xfs", "-K"),
+            (
+                "xfs",
+                "-f -K -L vol -b size=4096 -s size=512 -m crc=1,reflink=1",
+            ),
+            (
+                "xfs",
+                "-d su=64k,sw=4,agcount=8 -l size=64m,lazy-count=1 -i size=512 -n ftype=1",
+            ),
+            ("xfs", ""),
+        ] {
+            ok(t, o).unwrap_or_else(|e| panic!("{t} {o:?}: {e}"));
+        }
+        for (t, o, named) in [
+            ("ext4", "-d /etc", "-d"),
+            ("ext4", "-qd /", "-d"),
+            ("ext4", "-m0 -d/", "-d"),
+            ("ext4", "-E nodiscard,offset=4096", "offset"),
+            ("ext4", "-J device=/dev/sdb", "device"),
+            ("ext4", "-l /etc/passwd", "-l"),
+            ("ext4", "-z /tmp/x", "-z"),
+            ("ext4", "-t ext2", "-t"),
+            ("ext4", "/dev/sdb", "/dev/sdb"),
+            ("ext4", "-b", "needs a value"),
+            ("ext4", "-b /x", "-b"),
+            ("ext4", "--help", "--help"),
+            ("ext4", "-Y", "-Y"),
+            ("ext4", "-E root_owner=/etc", "plain word"),
+            ("xfs", "-l logdev=/dev/sdb", "logdev"),
+            ("xfs", "-l internal=0", "internal"),
+            ("xfs", "-r rtdev=/dev/sdb", "-r"),
+            ("xfs", "-d name=/dev/sdb", "name"),
+            ("xfs", "-p /etc/protofile", "-p"),
+            ("xfs", "-c options=/etc/x", "-c"),
+            ("xfs", "-N", "-N"),
+            ("xfs", "-m bogus=1", "bogus"),
+            ("btrfs", "-f", "not supported"),
+        ] {
+            let e = ok(t, o).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{t} {o:?}");
+            let m = e.to_string();
+            assert!(
+                m.contains("mkfsOptions") && m.contains(named),
+                "{t} {o:?}: {m}"
+            );
+        }
     }
 
     #[test]

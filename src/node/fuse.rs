@@ -75,7 +75,8 @@
 //!   driver's `hw_queue_depth`, 128 by default); the kernel's default is
 //!   the maximum.
 //! - `block_size=N`: the loop device's logical block size (512, 1024, 2048
-//!   or 4096; default 4096).
+//!   or 4096; default 512, as krbd's, so an XFS with 512-byte sectors or an
+//!   ext4 with 1 KiB blocks made on a krbd device mounts here too).
 //! - `read_only` (or `ro`): map read-only, as a read-only volume does.
 //! - librbd settings for this image, each `name=value`: `rbd_cache`,
 //!   `rbd_cache_writethrough_until_flush` (`true`/`false`),
@@ -518,12 +519,15 @@ pub fn call(socket: &Path, req: &ControlRequest, timeout: Duration) -> Result<Co
         .set_read_timeout(Some(timeout))
         .and_then(|()| stream.set_write_timeout(Some(timeout)))
         .map_err(|e| io_error(&e, "setsockopt", socket, "cannot set timeouts"))?;
-    let mut line = serde_json::to_vec(req)
+    // An attach line holds the key: sized so it never reallocates (which
+    // would leave a copy), and zeroed once sent.
+    let mut line = Vec::with_capacity(64 << 10);
+    serde_json::to_writer(&mut line, req)
         .map_err(|e| Error::invalid("rbdkit-fuse", socket.display().to_string(), e.to_string()))?;
     line.push(b'\n');
-    (&stream)
-        .write_all(&line)
-        .map_err(|e| io_error(&e, "write", socket, "cannot send the request"))?;
+    let sent = (&stream).write_all(&line);
+    crate::rados::zeroize(&mut line);
+    sent.map_err(|e| io_error(&e, "write", socket, "cannot send the request"))?;
     let mut answer = String::new();
     BufReader::new(&stream)
         .read_line(&mut answer)

@@ -1349,7 +1349,11 @@ impl Daemon {
             loopdev::LoopOptions {
                 read_only,
                 direct_io: true,
-                block_size: opts.block_size.unwrap_or(4096),
+                // krbd's sector size: filesystems made on either mount on
+                // both. Direct I/O on a FUSE file only needs the loop block
+                // size to be at least the file's DIO alignment, which FUSE
+                // reports as 512 (no STATX_DIOALIGN, no backing bdev).
+                block_size: opts.block_size.unwrap_or(512),
             },
         )?;
         if let Err(e) = tune_device(&dev, opts) {

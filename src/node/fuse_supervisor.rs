@@ -87,13 +87,11 @@ struct KeptKey {
     key: Secret,
 }
 
-/// Makes this process non-dumpable (`PR_SET_DUMPABLE` 0): no core dump is
-/// written, and no process without `CAP_SYS_PTRACE` may read its memory
-/// (`/proc/PID/mem`, ptrace). Keys are in it.
+/// Makes this process non-dumpable ([`crate::rados::keep_keys_out_of_core_dumps`]):
+/// keys are in it. `main` does it too; library users of the mapper may not.
 pub(crate) fn no_core_dumps() {
-    // SAFETY: prctl(2) PR_SET_DUMPABLE with 0; no pointers.
-    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
-        tracing::warn!("cannot make the process non-dumpable");
+    if let Err(e) = crate::rados::keep_keys_out_of_core_dumps() {
+        tracing::warn!(error = %e, "cannot make the process non-dumpable");
     }
 }
 

@@ -189,7 +189,9 @@ pub fn key_name(user: &str) -> String {
 pub(crate) fn add_cephx(key_type: &str, user: &str, key: &Secret) -> Result<KeySerial> {
     let mut payload = decode_base64(key.expose(), &key_name(user))?;
     let ret = add_key(key_type, &key_name(user), &payload, Keyring::Process);
-    payload.iter_mut().for_each(|b| *b = 0);
+    // Volatile writes: a plain loop before the free is a dead store the
+    // compiler may drop.
+    crate::rados::zeroize(&mut payload);
     ret
 }
 
@@ -246,17 +248,22 @@ pub(crate) fn decode_base64(text: &str, what: &str) -> Result<Vec<u8>> {
             s.len()
         )));
     }
+    // Sized up front: a reallocation would leave a copy of the key behind.
     let mut out = Vec::with_capacity(s.len() / 4 * 3);
     let chunks = s.len() / 4;
     for (i, chunk) in s.chunks(4).enumerate() {
         let last = i + 1 == chunks;
         let pad = chunk.iter().rev().take_while(|&&c| c == b'=').count();
         if pad > 2 || (pad > 0 && !last) {
+            crate::rados::zeroize(&mut out);
             return Err(bad(format!("misplaced padding in group {}", i + 1)));
         }
         let mut n = 0u32;
         for (j, &c) in chunk[..4 - pad].iter().enumerate() {
-            let v = val(c).ok_or_else(|| bad(format!("bad character at offset {}", i * 4 + j)))?;
+            let Some(v) = val(c) else {
+                crate::rados::zeroize(&mut out);
+                return Err(bad(format!("bad character at offset {}", i * 4 + j)));
+            };
             n |= v << (18 - 6 * j);
         }
         let bytes = [(n >> 16) as u8, (n >> 8) as u8, n as u8];

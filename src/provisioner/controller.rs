@@ -1393,26 +1393,20 @@ async fn finish_resize(
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), &namespace);
     let new_q = bytes_quantity(new_size);
     let mut conditions = other_conditions(claim);
-    let status = if claim_volume_mode(claim) == "Block" {
-        json!({"status": {
-            "capacity": {"storage": new_q},
-            "conditions": conditions,
-            "allocatedResources": {"storage": new_q},
-            "allocatedResourceStatuses": null,
-        }})
-    } else {
-        conditions.push(json!({
-            "type": "FileSystemResizePending",
-            "status": "True",
-            "lastTransitionTime": now(),
-            "message": "Waiting for user to (re-)start a pod to finish file system resize of volume on node.",
-        }));
-        json!({"status": {
-            "conditions": conditions,
-            "allocatedResources": {"storage": new_q},
-            "allocatedResourceStatuses": {"storage": "NodeResizePending"},
-        }})
-    };
+    // Block too, as external-resizer does when NodeExpandVolume is
+    // required: krbd's device grows by itself, the loop device of
+    // rbdkit-fuse only when kubelet calls NodeExpandVolume.
+    conditions.push(json!({
+        "type": "FileSystemResizePending",
+        "status": "True",
+        "lastTransitionTime": now(),
+        "message": "Waiting for user to (re-)start a pod to finish file system resize of volume on node.",
+    }));
+    let status = json!({"status": {
+        "conditions": conditions,
+        "allocatedResources": {"storage": new_q},
+        "allocatedResourceStatuses": {"storage": "NodeResizePending"},
+    }});
     before_work().await;
     claims
         .patch_status(
@@ -1421,23 +1415,13 @@ async fn finish_resize(
             &Patch::Merge(status),
         )
         .await?;
-    if claim_volume_mode(claim) == "Block" {
-        ctx.events
-            .normal(
-                &claim_ref(claim),
-                "VolumeResizeSuccessful",
-                "Resize volume succeeded",
-            )
-            .await;
-    } else {
-        ctx.events
-            .normal(
-                &claim_ref(claim),
-                "FileSystemResizeRequired",
-                "Require file system resize of volume on node",
-            )
-            .await;
-    }
+    ctx.events
+        .normal(
+            &claim_ref(claim),
+            "FileSystemResizeRequired",
+            "Require file system resize of volume on node",
+        )
+        .await;
     Ok(())
 }
 

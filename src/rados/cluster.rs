@@ -11,7 +11,7 @@ use std::time::Duration;
 use rbd_sys as sys;
 
 use crate::error::{cvt, Error, Result};
-use crate::rados::IoCtx;
+use crate::rados::{zeroize, IoCtx, Secret};
 use crate::util::{cstr, split_nul_list, with_growing_buffer};
 
 /// Default bound on `rados_connect`: Ceph's own `client_mount_timeout` is 300 s.
@@ -29,60 +29,6 @@ const TIMEOUT_OPTIONS: [&str; 3] = [
     "rados_mon_op_timeout",
     "rados_osd_op_timeout",
 ];
-
-/// A cephx key. Its `Debug` output is redacted, and it is handed to librados
-/// only through `rados_conf_set("key")`: it is never logged or put in errors.
-///
-/// Its bytes live in a page of their own, mapped for it and marked
-/// `MADV_DONTDUMP`, so a core dump of the process never holds them; they are
-/// overwritten with zeroes when it is dropped.
-pub struct Secret {
-    page: std::ptr::NonNull<u8>,
-    len: usize,
-    cap: usize,
-}
-
-// SAFETY: the page is owned by this value alone (never shared, only read
-// through `&self`), like a `Box<[u8]>`.
-unsafe impl Send for Secret {}
-// SAFETY: as above; `&Secret` only reads.
-unsafe impl Sync for Secret {}
-
-impl Drop for Secret {
-    fn drop(&mut self) {
-        // SAFETY: `page` is our mapping of `cap` writable bytes.
-        zeroize(unsafe { std::slice::from_raw_parts_mut(self.page.as_ptr(), self.cap) });
-        // SAFETY: unmaps exactly the mapping made in `Secret::from_bytes`;
-        // nothing points into it any more.
-        unsafe { libc::munmap(self.page.as_ptr().cast(), self.cap) };
-    }
-}
-
-impl Clone for Secret {
-    fn clone(&self) -> Secret {
-        Secret::from_bytes(self.expose().as_bytes())
-    }
-}
-
-impl PartialEq for Secret {
-    fn eq(&self, other: &Secret) -> bool {
-        let (a, b) = (self.expose().as_bytes(), other.expose().as_bytes());
-        // Length, then every byte: no early exit on the first difference.
-        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-    }
-}
-
-impl Eq for Secret {}
-
-/// Overwrites a buffer with zeroes in a way the compiler may not drop as a
-/// dead store.
-pub(crate) fn zeroize(buf: &mut [u8]) {
-    for b in buf.iter_mut() {
-        // SAFETY: `b` is a valid, aligned, exclusive reference to one byte.
-        unsafe { std::ptr::write_volatile(b, 0) };
-    }
-    std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
-}
 
 /// Checks that a cephx key is what librados can decode (base64 of a
 /// `CryptoKey`: type u16, created 8 bytes, length u16, secret), so that
@@ -152,78 +98,6 @@ fn base64_decode(text: &[u8]) -> Option<Vec<u8>> {
 /// with spaces, dashes or underscores and any case).
 fn is_key_option(option: &str) -> bool {
     option.trim().eq_ignore_ascii_case("key")
-}
-
-impl Secret {
-    /// Wraps a base64 cephx key. The `String` given is zeroed once its
-    /// bytes are copied into the secret's own page.
-    pub fn new(key: impl Into<String>) -> Secret {
-        let mut key: String = key.into();
-        let s = Secret::from_bytes(key.as_bytes());
-        // SAFETY: only zero bytes are written, which keeps the String valid
-        // UTF-8; it is dropped right after.
-        zeroize(unsafe { key.as_mut_vec() });
-        s
-    }
-
-    /// Copies UTF-8 `bytes` into a fresh page marked MADV_DONTDUMP.
-    fn from_bytes(bytes: &[u8]) -> Secret {
-        // SAFETY: sysconf(3) has no preconditions.
-        let pagesz = (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as usize;
-        let cap = bytes.len().max(1).div_ceil(pagesz) * pagesz;
-        // SAFETY: a new private anonymous mapping; no address is imposed.
-        let p = unsafe {
-            libc::mmap(
-                ptr::null_mut(),
-                cap,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert!(
-            p != libc::MAP_FAILED,
-            "mmap of a page for a key failed: out of memory"
-        );
-        // SAFETY: `p` is our mapping of `cap` bytes. Failing to mark it (an
-        // old kernel) leaves it dumpable, which is no worse than the heap.
-        unsafe { libc::madvise(p, cap, libc::MADV_DONTDUMP) };
-        // SAFETY: the mapping has room for `bytes`, and does not overlap it.
-        unsafe { ptr::copy_nonoverlapping(bytes.as_ptr(), p.cast::<u8>(), bytes.len()) };
-        Secret {
-            page: std::ptr::NonNull::new(p.cast()).expect("mmap never returns NULL here"),
-            len: bytes.len(),
-            cap,
-        }
-    }
-
-    /// The key itself. Use only to pass it on to librados.
-    pub fn expose(&self) -> &str {
-        // SAFETY: the first `len` bytes of the page were copied from a `str`
-        // and are never written while `self` lives.
-        unsafe {
-            std::str::from_utf8_unchecked(std::slice::from_raw_parts(self.page.as_ptr(), self.len))
-        }
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Secret(<redacted>)")
-    }
-}
-
-impl From<String> for Secret {
-    fn from(s: String) -> Secret {
-        Secret::new(s)
-    }
-}
-
-impl From<&str> for Secret {
-    fn from(s: &str) -> Secret {
-        Secret::from_bytes(s.as_bytes())
-    }
 }
 
 /// Where librados reads its configuration from.
@@ -558,6 +432,8 @@ impl ClusterHandle {
             .map_err(|_| Error::invalid("rados_conf_set", option, "value contains a NUL byte"))?;
         // SAFETY: both strings are NUL-terminated and librados copies them.
         let ret = unsafe { sys::rados_conf_set(self.raw, o.as_ptr(), v.as_ptr()) };
+        // The value may be a key: no copy of it is left in freed memory.
+        zeroize(&mut v.into_bytes_with_nul());
         cvt(ret, "rados_conf_set", || option.to_owned())?;
         Ok(())
     }
@@ -974,13 +850,6 @@ mod tests {
         assert_eq!(base64_decode(b"aGVsbA==").unwrap(), b"hell");
         assert!(base64_decode(b"aGVs=G8=").is_none());
         assert!(base64_decode(b"aGVsbG8").is_none());
-    }
-
-    #[test]
-    fn zeroize_clears_the_buffer() {
-        let mut b = *b"AQBsecret";
-        zeroize(&mut b);
-        assert_eq!(b, [0u8; 9]);
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! librados: connections, pools, I/O contexts, objects and omap.
+//! librados: connections, pools, I/O contexts, objects, omap and object
+//! locks; and [`Secret`], the key type.
 //!
 //! Ownership: a [`Cluster`] is an `Arc` around the `rados_t`; every [`IoCtx`]
 //! holds an `Arc` to it, and every image holds an `Arc` to its `IoCtx`. So an
@@ -7,13 +8,16 @@
 
 mod cluster;
 mod ioctx;
+mod lock;
 mod omap;
+mod secret;
 
-#[cfg(feature = "service")]
-pub(crate) use cluster::zeroize;
 pub use cluster::{
-    Cluster, ClusterStats, ConnectOptions, MonCommandReply, Secret, DEFAULT_CONNECT_TIMEOUT,
+    Cluster, ClusterStats, ConnectOptions, MonCommandReply, DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_OP_TIMEOUT,
 };
 pub use ioctx::{IoCtx, ObjectStat, PoolStats};
+pub use lock::{ObjectLocker, ObjectLockers};
 pub use omap::omap_text;
+pub(crate) use secret::zeroize;
+pub use secret::{keep_keys_out_of_core_dumps, Secret};

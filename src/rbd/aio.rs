@@ -522,7 +522,8 @@ fn finish_open(
 /// The largest buffer one AIO read or write may take (2 GiB - 1): librbd
 /// reports the result as an `int` internally and copies write buffers with
 /// 32-bit lengths, so larger requests would be cut or misreported. Split
-/// them.
+/// them. Discard and write-zeroes carry no buffer and have no such bound
+/// (the loop driver sends discards of up to 4 GiB).
 pub const MAX_AIO_LEN: u64 = i32::MAX as u64;
 
 fn check_range(image: &Image, op: &'static str, offset: u64, len: u64) -> Result<()> {
@@ -556,6 +557,12 @@ fn check_buffer(image: &Image, op: &'static str, offset: u64, len: u64) -> Resul
 /// by another client, can still clip it, as it would for any client.)
 fn check_write_range(image: &Image, op: &'static str, offset: u64, len: u64) -> Result<()> {
     check_buffer(image, op, offset, len)?;
+    check_in_image(image, op, offset, len)
+}
+
+/// The size half of [`check_write_range`], for writes with no buffer.
+fn check_in_image(image: &Image, op: &'static str, offset: u64, len: u64) -> Result<()> {
+    check_range(image, op, offset, len)?;
     let size = image.size_covering(offset + len)?;
     if offset + len > size {
         return Err(crate::rbd::io::past_end(
@@ -733,7 +740,8 @@ impl Image {
         })
     }
 
-    /// Deallocates a range; it reads back as zeroes. Wraps `rbd_aio_discard`.
+    /// Deallocates a range; it reads back as zeroes. Any length (no buffer,
+    /// so [`MAX_AIO_LEN`] does not apply). Wraps `rbd_aio_discard`.
     pub fn aio_discard(&self, offset: u64, len: u64) -> AioFuture<()> {
         if let Err(e) = check_range(self, "rbd_aio_discard", offset, len) {
             return self.aio_refused(e, finish_unit);
@@ -745,9 +753,11 @@ impl Image {
         })
     }
 
-    /// Writes zeroes over a range. Wraps `rbd_aio_write_zeroes` (no flags).
+    /// Writes zeroes over a range; it must lie within the image. Any length:
+    /// no buffer is involved, so [`MAX_AIO_LEN`] does not apply. Wraps
+    /// `rbd_aio_write_zeroes` (no flags).
     pub fn aio_write_zeroes(&self, offset: u64, len: usize) -> AioFuture<()> {
-        if let Err(e) = check_write_range(self, "rbd_aio_write_zeroes", offset, len as u64) {
+        if let Err(e) = check_in_image(self, "rbd_aio_write_zeroes", offset, len as u64) {
             return self.aio_refused(e, finish_unit);
         }
         let raw = self.raw();

@@ -487,6 +487,13 @@ impl Image {
         Ok(string_from_buf(&buf))
     }
 
+    /// The RADOS object of the image's header (`rbd_header.<id>`, format 2),
+    /// in the image's pool and namespace: where object locks and xattrs
+    /// about the image can live and die with it. Wraps `rbd_get_id`.
+    pub fn header_oid(&self) -> Result<String> {
+        Ok(format!("rbd_header.{}", self.id()?))
+    }
+
     /// The image's current name. Wraps `rbd_get_name`.
     pub fn get_name(&self) -> Result<String> {
         let buf = sized_buffer(128, "rbd_get_name", &|| self.spec(), |p, len| {

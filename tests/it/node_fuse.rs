@@ -860,7 +860,7 @@ fn map_options_set_up_the_device_and_librbd() {
     let mut s = spec(&ns, "vol-opts", "img");
     s.options = [
         "queue_depth=32",
-        "block_size=512",
+        "block_size=4096",
         "rbd_cache=false",
         "rbd_readahead_max_bytes=0",
     ]
@@ -868,7 +868,7 @@ fn map_options_set_up_the_device_and_librbd() {
     .to_vec();
     let dev = d.mapper().map(&s).unwrap();
     assert_eq!(queue_attr(&dev, "nr_requests"), "32");
-    assert_eq!(queue_attr(&dev, "logical_block_size"), "512");
+    assert_eq!(queue_attr(&dev, "logical_block_size"), "4096");
     // Every device: at most one FUSE request (1 MiB) per block request.
     assert_eq!(queue_attr(&dev, "max_sectors_kb"), "1024");
     let st = d.mapper().status("vol-opts").unwrap().unwrap();
@@ -880,23 +880,25 @@ fn map_options_set_up_the_device_and_librbd() {
         ],
         "{st:?}"
     );
-    // A 512-byte write works on a 512-byte-sector device, and lands.
-    write_direct(&dev, 512, &[7u8; 512]);
-    {
-        let img = Image::open_read_only(&ns.ioctx, "img").unwrap();
-        let mut back = vec![0u8; 512];
-        img.read(512, &mut back).unwrap();
-        assert_eq!(back, vec![7u8; 512]);
-    }
-    // Without options: the kernel's queue depth, librbd's defaults.
+    // Without options: the kernel's queue depth, librbd's defaults, and
+    // 512-byte sectors as krbd's, still with direct I/O on the file.
     let plain = d.mapper().map(&spec(&ns, "vol-plain", "plain")).unwrap();
     assert_eq!(
         queue_attr(&plain, "nr_requests"),
         rbdkit::node::fuse::loop_hw_queue_depth().to_string()
     );
-    assert_eq!(queue_attr(&plain, "logical_block_size"), "4096");
+    assert_eq!(queue_attr(&plain, "logical_block_size"), "512");
     let st = d.mapper().status("vol-plain").unwrap().unwrap();
     assert!(st.librbd.is_empty(), "{st:?}");
+    assert!(st.direct_io, "{st:?}");
+    // A 512-byte write works on a 512-byte-sector device, and lands.
+    write_direct(&plain, 512, &[7u8; 512]);
+    {
+        let img = Image::open_read_only(&ns.ioctx, "plain").unwrap();
+        let mut back = vec![0u8; 512];
+        img.read(512, &mut back).unwrap();
+        assert_eq!(back, vec![7u8; 512]);
+    }
 
     // Asking again with other options is refused, naming the mapping.
     let mut other = s.clone();

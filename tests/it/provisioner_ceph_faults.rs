@@ -381,7 +381,8 @@ async fn monitor_stopped_unseen_resize_completes_and_create_times_out() {
     w.ceph.stop_daemon("mon.a");
     let t0 = Instant::now();
     env.resize_claim("grow", "16Mi").await;
-    env.wait_event("grow", "VolumeResizeSuccessful", &[]).await;
+    env.wait_event("grow", "FileSystemResizeRequired", &[])
+        .await;
     let (_, pv) = env.wait_bound("grow").await;
     assert_eq!(pv_bytes(&pv), 16 * MIB);
     eprintln!("resized with the monitor down after {:?}", t0.elapsed());

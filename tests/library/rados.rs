@@ -352,3 +352,108 @@ fn object_listing_and_xattrs() {
     let e = io.xattr_get("obj-0", "user.tag").unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Other(libc::ENODATA), "{e}");
 }
+
+/// The `VmFlags` of the mapping holding `addr`, from `/proc/self/smaps`.
+fn vm_flags_at(addr: usize) -> Vec<String> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut inside = false;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if let Some((lo, hi)) = first.split_once('-') {
+            if let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+            {
+                inside = (lo..hi).contains(&addr);
+                continue;
+            }
+        }
+        if inside {
+            if let Some(flags) = line.strip_prefix("VmFlags:") {
+                return flags.split_whitespace().map(str::to_owned).collect();
+            }
+        }
+    }
+    panic!("no mapping holds {addr:#x}");
+}
+
+#[test]
+fn a_secret_lives_in_memory_core_dumps_leave_out() {
+    let key = "AQBzmwlnAAAAABAAcHyFYS4mxn8Z2x0Tk3nIrA==";
+    for s in [
+        Secret::new(key),
+        Secret::from(key.to_owned()),
+        Secret::new(key).clone(),
+    ] {
+        assert_eq!(s.expose(), key);
+        let at = s.expose().as_ptr() as usize;
+        let flags = vm_flags_at(at);
+        // "dd": MADV_DONTDUMP (proc(5)).
+        assert!(
+            flags.iter().any(|f| f == "dd"),
+            "flags at {at:#x}: {flags:?}"
+        );
+        assert!(!format!("{s:?}").contains(key));
+    }
+}
+
+#[test]
+fn object_locks_exclusive_shared_unlock_break() {
+    use rbdkit::rados::ObjectLockers;
+    let c = cluster();
+    let io = c.ioctx(POOL).unwrap();
+    let oid = unique("lockobj");
+    io.write_full(&oid, b"x").unwrap();
+    let other = TestCluster::get().connect();
+    let io2 = other.ioctx(POOL).unwrap();
+
+    assert_eq!(io.lockers(&oid, "l").unwrap(), ObjectLockers::default());
+    io.lock_exclusive(&oid, "l", "cookie-a", "mine").unwrap();
+    // The same (client, cookie) again: EEXIST; another client: EBUSY.
+    let e = io
+        .lock_exclusive(&oid, "l", "cookie-a", "mine")
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::AlreadyExists, "{e}");
+    let e = io2
+        .lock_exclusive(&oid, "l", "cookie-a", "theirs")
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Busy, "{e}");
+    let e = io2.lock_shared(&oid, "l", "cookie-b", "t", "").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Busy, "{e}");
+    // Another lock name on the same object is independent.
+    io2.lock_exclusive(&oid, "other", "cookie-b", "").unwrap();
+    let l = io2.lockers(&oid, "l").unwrap();
+    assert!(l.exclusive);
+    assert_eq!(l.lockers.len(), 1);
+    assert_eq!(l.lockers[0].cookie, "cookie-a");
+    assert_eq!(l.lockers[0].client, format!("client.{}", c.instance_id()));
+    assert!(l.lockers[0].addr.contains('/'), "{:?}", l.lockers[0]);
+    // Only its holder unlocks it; anyone may break it.
+    let e = io2.unlock(&oid, "l", "cookie-a").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+    io2.break_lock(&oid, "l", &l.lockers[0].client, "cookie-a")
+        .unwrap();
+    assert!(io.lockers(&oid, "l").unwrap().lockers.is_empty());
+    let e = io.unlock(&oid, "l", "cookie-a").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+
+    // Shared: every holder with the same tag; exclusive then waits.
+    io.lock_shared(&oid, "s", "n1", "tag", "").unwrap();
+    io2.lock_shared(&oid, "s", "n2", "tag", "").unwrap();
+    let e = io2
+        .lock_shared(&oid, "s", "n3", "other-tag", "")
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Busy, "{e}");
+    let e = io2.lock_exclusive(&oid, "s", "n3", "").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Busy, "{e}");
+    let s = io.lockers(&oid, "s").unwrap();
+    assert!(!s.exclusive);
+    assert_eq!(s.tag, "tag");
+    let mut cookies: Vec<_> = s.lockers.iter().map(|l| l.cookie.as_str()).collect();
+    cookies.sort();
+    assert_eq!(cookies, ["n1", "n2"]);
+    io.unlock(&oid, "s", "n1").unwrap();
+    io2.unlock(&oid, "s", "n2").unwrap();
+    io2.lock_exclusive(&oid, "s", "n3", "").unwrap();
+    let e = io.break_lock(&oid, "s", "not a client", "n3").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    io.remove(&oid).unwrap();
+}

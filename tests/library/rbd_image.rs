@@ -533,3 +533,64 @@ fn dropping_an_update_watch_with_a_stuck_callback_is_bounded() {
     release_tx.send(()).unwrap();
     watched.close().unwrap();
 }
+
+/// Why the node plugin's staging lock is a lock of its own name on the
+/// header and not librbd's advisory lock (`rbd lock add`): the exclusive-lock
+/// feature's managed lock is the same cls lock (`rbd_lock`), so an advisory
+/// lock held by one client stops another client's writes to the image, while
+/// a lock of another name leaves them alone.
+#[test]
+fn an_advisory_rbd_lock_blocks_exclusive_lock_writers_another_lock_name_does_not() {
+    let ns = TestNs::new("locknames");
+    let opts = ImageOptions::new()
+        .features(rbdkit::rbd::Features::LAYERING | rbdkit::rbd::Features::EXCLUSIVE_LOCK);
+    rbd::create(&ns.ioctx, "img", 8 << 20, &opts).unwrap();
+    let other = support::ceph::TestCluster::get().connect();
+    let io2 = other
+        .ioctx(support::ceph::POOL)
+        .unwrap()
+        .with_namespace(&ns.name)
+        .unwrap();
+
+    let holder = Image::open(&io2, "img").unwrap();
+    let oid = holder.header_oid().unwrap();
+    io2.lock_exclusive(&oid, "rbdkit.stage", "node-a", "")
+        .unwrap();
+    let writer = Image::open(&ns.ioctx, "img").unwrap();
+    writer.write(0, b"allowed").unwrap();
+    writer.flush().unwrap();
+    drop(writer);
+    io2.unlock(&oid, "rbdkit.stage", "node-a").unwrap();
+
+    holder.lock_exclusive("node-a").unwrap();
+    let writer = Image::open(&ns.ioctx, "img").unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t = std::thread::spawn(move || {
+        let r = writer.write(0, b"refused").map_err(|e| e.to_string());
+        let _ = tx.send(r);
+        drop(writer);
+    });
+    // The write neither succeeds nor fails: librbd waits for the "lock
+    // owner" to hand the managed lock over.
+    let r = rx.recv_timeout(std::time::Duration::from_secs(15));
+    assert!(
+        !matches!(r, Ok(Ok(()))),
+        "a write went through while an advisory rbd lock was held"
+    );
+    holder.unlock("node-a").unwrap();
+    if r.is_err() {
+        // Released: the waiting write goes through now.
+        let r = rx.recv_timeout(std::time::Duration::from_secs(60));
+        assert!(matches!(r, Ok(Ok(()))), "{r:?}");
+    }
+    t.join().unwrap();
+
+    // A lock of its own name does not keep the image from being removed
+    // (it goes with the header).
+    io2.lock_exclusive(&oid, "rbdkit.stage", "node-a", "")
+        .unwrap();
+    drop(holder);
+    rbd::remove(&ns.ioctx, "img").unwrap();
+    let e = io2.lockers(&oid, "rbdkit.stage").unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+}

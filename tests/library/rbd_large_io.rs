@@ -67,6 +67,19 @@ fn reads_writes_and_discards_of_2_gib_and_more() {
     img.read(3 * GIB, &mut one).unwrap();
     assert_eq!(one, [0], "zeroed");
 
+    // AIO discard and write-zeroes carry no buffer: no 2 GiB bound (the
+    // loop driver sends up to 4 GiB in one discard).
+    img.write(3 * GIB, &[9u8; 16]).unwrap();
+    futures::executor::block_on(img.aio_write_zeroes(GIB, (2 * GIB + 8192) as usize))
+        .unwrap_or_else(|e| panic!("aio_write_zeroes of 2 GiB + 8 KiB: {e}"));
+    img.read(3 * GIB, &mut one).unwrap();
+    assert_eq!(one, [0], "zeroed by AIO");
+    img.write(4 * GIB + 4096, &[8u8; 16]).unwrap();
+    futures::executor::block_on(img.aio_discard(0, 5 * GIB))
+        .unwrap_or_else(|e| panic!("aio_discard of 5 GiB: {e}"));
+    img.read(4 * GIB + 4096, &mut one).unwrap();
+    assert_eq!(one, [0], "discarded by AIO");
+
     // AIO requests above the bound are refused, not cut.
     let e = futures::executor::block_on(img.aio_read(0, MAX_AIO_LEN as usize + 1)).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");

@@ -239,7 +239,8 @@ pub fn restricted_caps() -> Vec<String> {
     ]
 }
 
-fn mon_json(cmd: serde_json::Value) -> Result<Vec<u8>, rbdkit::Error> {
+/// A monitor command as the admin user; its JSON output.
+pub fn mon_json(cmd: serde_json::Value) -> Result<Vec<u8>, rbdkit::Error> {
     cluster()
         .mon_command(&cmd.to_string(), &[])
         .map(|r| r.output)

@@ -315,11 +315,22 @@ impl Drop for CsiEnv {
         for p in under().into_iter().filter(|p| !p.starts_with(&mapper_mnt)) {
             let _ = rbdkit::node::mount::ensure_unmounted(&p);
         }
+        // A mapper killed with -9 leaves its loop devices bound; clear them
+        // while their files still show under this folder.
+        let clear_loops = || {
+            for (dev, file) in rbdkit::node::loopdev::list() {
+                if file.starts_with(&root) {
+                    let _ = rbdkit::node::loopdev::detach(&dev);
+                }
+            }
+        };
+        clear_loops();
         if let Some(m) = self.mapper.as_mut() {
             m.terminate();
         }
         for p in under() {
             let _ = rbdkit::node::mount::ensure_unmounted(&p);
         }
+        clear_loops();
     }
 }

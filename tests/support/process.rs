@@ -17,7 +17,8 @@ pub struct Proc {
 }
 
 impl Proc {
-    /// Starts `program args` with its output appended to `log`.
+    /// Starts `program args` with its output appended to `log`, in the
+    /// folder of `log`.
     pub fn spawn(what: &str, program: &Path, args: Vec<String>, log: PathBuf) -> Proc {
         let mut p = Proc {
             child: None,
@@ -42,7 +43,13 @@ impl Proc {
             .append(true)
             .open(&self.log)
             .expect("open log");
-        let child = Command::new(&self.program)
+        let mut cmd = Command::new(&self.program);
+        // In its own folder: a core file (or any file it makes relative to
+        // its working directory) lands there, not in the source tree.
+        if let Some(dir) = self.log.parent().filter(|d| d.is_dir()) {
+            cmd.current_dir(dir);
+        }
+        let child = cmd
             .args(&self.args)
             .env_remove("CEPH_CONF")
             .stdin(Stdio::null())

@@ -1,0 +1,338 @@
+//! Single writer across nodes: the staging lock.
+//!
+//! The controller has no attach step (`attachRequired: false`), so nothing
+//! but the node plugin itself keeps two nodes from staging one read-write
+//! volume. Looking at the image's watchers first and mapping after is a
+//! check-then-act race: two NodeStage calls on two nodes both see no
+//! watcher, both map, both run mkfs and mount. So NodeStage takes a lock
+//! **before it maps** and checks it **again after the map**, before any
+//! mkfs or mount:
+//!
+//! - **What**: a `cls_lock` lock named [`LOCK_NAME`] on the image's header
+//!   object (`rbd_header.<id>`), taken with `rados_lock_exclusive` (RWO,
+//!   RWOP, single-writer modes) or `rados_lock_shared` with tag
+//!   [`SHARED_TAG`] (RWX Block, which may be staged on several nodes). The
+//!   OSD takes it atomically, so of two racing nodes exactly one gets it;
+//!   it lives on the image's own header, so it goes with the image.
+//! - **Whose**: the cookie names the node ([`cookie`]). A repeated stage,
+//!   or a stage after `rbdkit csi` restarted (a new librados client, so a
+//!   new lock holder entity), finds the lock held under its own cookie and
+//!   carries on; unstaging releases it (`rados_unlock`, or
+//!   `rados_break_lock` of its own cookie when an earlier client of this
+//!   node took it).
+//! - **Why not librbd's locks**: the exclusive-lock feature's managed lock
+//!   moves between clients by itself and is broken by any client that finds
+//!   its owner dead, so it guards I/O, not "staged on one node"; and
+//!   `rbd_lock_exclusive` (`rbd lock add`) is the same cls lock
+//!   (`rbd_lock`) the managed lock uses, so holding it from the node plugin
+//!   stalls every write of a mapper on an image with exclusive-lock
+//!   (`tests/library/rbd_image.rs` shows it). A lock of its own name leaves
+//!   librbd alone.
+//! - **A lock that persists** outlives a crashed holder, which is the point
+//!   (a `kill -9` between map and mount must not let another node in), and
+//!   the cost: a node that dies with volumes staged keeps their locks. They
+//!   are broken only after the holder is fenced: its librados clients are
+//!   blocklisted first (the lock holder's address and the data-path clients
+//!   it recorded when it mapped, [`ImageLock::record_clients`]), so a node
+//!   that was only cut off cannot write after another took over.
+//!   [`ImageLock::fence_and_break`] does that; the node service calls it
+//!   only when configured to (`--break-dead-locks`) and only for an image
+//!   that has had no watcher for a grace period. Otherwise the stage is
+//!   refused with FAILED_PRECONDITION naming the holder.
+//!
+//! Everything here is blocking and bounded by the connection's timeouts (one
+//! OSD operation per lock call, the mon-op timeout for a blocklist entry).
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::rados::{Cluster, IoCtx, ObjectLocker, ObjectLockers};
+use crate::rbd::Image;
+
+/// The lock's name on the header object.
+pub const LOCK_NAME: &str = "rbdkit.stage";
+/// The tag of the shared lock (multi-node-writer Block volumes).
+pub const SHARED_TAG: &str = "rbdkit.multi-node-block";
+/// The header xattr, followed by the node id, listing that node's data-path
+/// clients of the image (what to blocklist before its lock is broken).
+const CLIENTS_XATTR: &str = "rbdkit.stage.clients.";
+const COOKIE_PREFIX: &str = "rbdkit-node ";
+
+/// How a volume is staged, as far as other nodes are concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LockMode {
+    /// One node only (read-write single-node and single-writer modes).
+    Exclusive,
+    /// Any number of nodes (multi-node-multi-writer Block).
+    Shared,
+}
+
+/// The cookie a node takes the lock with.
+pub fn cookie(node_id: &str) -> String {
+    format!("{COOKIE_PREFIX}{node_id}")
+}
+
+/// The node a cookie names, if it is one of ours.
+pub fn node_of(cookie: &str) -> Option<&str> {
+    cookie.strip_prefix(COOKIE_PREFIX)
+}
+
+/// What [`ImageLock::acquire`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Acquired {
+    /// Taken now.
+    Taken,
+    /// This node held it already (a repeat, or a restart of the plugin).
+    Ours,
+    /// This node holds it, in the other mode.
+    OursInOtherMode,
+    /// Others hold it.
+    Refused(ObjectLockers),
+}
+
+/// The staging lock of one image, with the image open read-only (which
+/// registers no watch).
+pub struct ImageLock {
+    io: IoCtx,
+    image: Image,
+    oid: String,
+    spec: String,
+}
+
+impl ImageLock {
+    /// The lock of `pool/namespace/image`.
+    pub fn open(cluster: &Cluster, pool: &str, namespace: &str, image: &str) -> Result<ImageLock> {
+        let io = cluster.ioctx_ns(pool, namespace)?;
+        let img = Image::open_read_only(&io, image)?;
+        let oid = img.header_oid()?;
+        Ok(ImageLock {
+            spec: img.spec(),
+            io,
+            image: img,
+            oid,
+        })
+    }
+
+    /// The header object.
+    pub fn oid(&self) -> &str {
+        &self.oid
+    }
+
+    /// Who holds it.
+    pub fn holders(&self) -> Result<ObjectLockers> {
+        self.io.lockers(&self.oid, LOCK_NAME)
+    }
+
+    /// The addresses watching the image: every client that has it open
+    /// read-write (a mapper, a kernel client).
+    pub fn watchers(&self) -> Result<Vec<String>> {
+        Ok(self.image.watchers()?.into_iter().map(|w| w.addr).collect())
+    }
+
+    fn in_mode(h: &ObjectLockers, mode: LockMode) -> bool {
+        match mode {
+            LockMode::Exclusive => h.exclusive,
+            LockMode::Shared => !h.exclusive && h.tag == SHARED_TAG,
+        }
+    }
+
+    /// Takes the lock for `node_id` in `mode`, or says who has it.
+    pub fn acquire(&self, mode: LockMode, node_id: &str) -> Result<Acquired> {
+        let cookie = cookie(node_id);
+        let description = format!("staged on node {node_id} by rbdkit");
+        for _ in 0..3 {
+            let r = match mode {
+                LockMode::Exclusive => {
+                    self.io
+                        .lock_exclusive(&self.oid, LOCK_NAME, &cookie, &description)
+                }
+                LockMode::Shared => {
+                    self.io
+                        .lock_shared(&self.oid, LOCK_NAME, &cookie, SHARED_TAG, &description)
+                }
+            };
+            match r {
+                Ok(()) => return Ok(Acquired::Taken),
+                Err(e) if e.kind() == ErrorKind::AlreadyExists => return Ok(Acquired::Ours),
+                Err(e) if e.kind() == ErrorKind::Busy => {}
+                Err(e) => return Err(e),
+            }
+            let h = self.holders()?;
+            if h.lockers.is_empty() {
+                continue; // released in between: try again
+            }
+            let mine = h.lockers.iter().filter(|l| l.cookie == cookie).count();
+            if mine == h.lockers.len() {
+                return Ok(if Self::in_mode(&h, mode) {
+                    Acquired::Ours
+                } else {
+                    Acquired::OursInOtherMode
+                });
+            }
+            return Ok(Acquired::Refused(h));
+        }
+        Err(
+            Error::from_errno(libc::EBUSY, "rados_lock_exclusive", self.spec.clone())
+                .detail("the staging lock kept changing hands; try again"),
+        )
+    }
+
+    /// Whether `node_id` holds the lock in `mode` now.
+    pub fn holds(&self, mode: LockMode, node_id: &str) -> Result<bool> {
+        let h = self.holders()?;
+        let cookie = cookie(node_id);
+        Ok(Self::in_mode(&h, mode) && h.lockers.iter().any(|l| l.cookie == cookie))
+    }
+
+    /// Releases what `node_id` holds (every client of it that took it) and
+    /// its record of data-path clients. Nothing held is fine.
+    pub fn release(&self, node_id: &str) -> Result<()> {
+        let cookie = cookie(node_id);
+        let me = format!("client.{}", self.io.cluster().instance_id());
+        for l in self.holders()?.lockers {
+            if l.cookie != cookie {
+                continue;
+            }
+            let r = if l.client == me {
+                self.io.unlock(&self.oid, LOCK_NAME, &cookie)
+            } else {
+                // Taken by an earlier client of this node (before a restart
+                // of the plugin); that client is gone or idle.
+                self.io.break_lock(&self.oid, LOCK_NAME, &l.client, &cookie)
+            };
+            match r {
+                Err(e) if e.kind() != ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
+        self.forget_clients(node_id)
+    }
+
+    /// Records `clients` (watcher addresses) as `node_id`'s data-path
+    /// clients of the image, for [`ImageLock::fence_and_break`].
+    pub fn record_clients(&self, node_id: &str, clients: &[String]) -> Result<()> {
+        let value = serde_json::to_vec(clients).unwrap_or_default();
+        self.io
+            .xattr_set(&self.oid, &format!("{CLIENTS_XATTR}{node_id}"), &value)
+    }
+
+    /// The data-path clients `node_id` recorded (none if it recorded none).
+    pub fn recorded_clients(&self, node_id: &str) -> Result<Vec<String>> {
+        match self
+            .io
+            .xattr_get(&self.oid, &format!("{CLIENTS_XATTR}{node_id}"))
+        {
+            Ok(v) => Ok(serde_json::from_slice(&v).unwrap_or_default()),
+            Err(e) if is_missing(&e) => Ok(Vec::new()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn forget_clients(&self, node_id: &str) -> Result<()> {
+        match self
+            .io
+            .xattr_remove(&self.oid, &format!("{CLIENTS_XATTR}{node_id}"))
+        {
+            Err(e) if !is_missing(&e) => Err(e),
+            _ => Ok(()),
+        }
+    }
+
+    /// Fences `holder` and breaks its lock: blocklists its address and the
+    /// data-path clients its node recorded (`osd blocklist add`, the
+    /// cluster's default expiry), checks that no other client watches the
+    /// image, then breaks the lock. Returns the addresses blocklisted. Fails
+    /// (breaking nothing) when a blocklist entry is refused (the user's mon
+    /// caps) or a client that was not fenced still has the image open.
+    pub fn fence_and_break(&self, holder: &ObjectLocker) -> Result<Vec<String>> {
+        let node = node_of(&holder.cookie);
+        let mut fence = vec![holder.addr.clone()];
+        if let Some(n) = node {
+            fence.extend(self.recorded_clients(n)?);
+        }
+        fence.retain(|a| !a.is_empty());
+        fence.sort();
+        fence.dedup();
+        let cluster = self.io.cluster();
+        for addr in &fence {
+            cluster.blocklist_add(addr, 0)?;
+        }
+        let live: Vec<String> = self
+            .watchers()?
+            .into_iter()
+            .filter(|w| !fence.contains(w))
+            .collect();
+        if !live.is_empty() {
+            return Err(Error::with_kind(
+                ErrorKind::Busy,
+                libc::EBUSY,
+                "rados_break_lock",
+                self.spec.clone(),
+                format!(
+                    "{} still watch the image: it is in use, the lock is not broken",
+                    live.join(", ")
+                ),
+            ));
+        }
+        match self
+            .io
+            .break_lock(&self.oid, LOCK_NAME, &holder.client, &holder.cookie)
+        {
+            Err(e) if e.kind() != ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        if let Some(n) = node {
+            self.forget_clients(n)?;
+        }
+        Ok(fence)
+    }
+}
+
+/// A missing xattr: `ENODATA` (or `ENOENT` from an older OSD).
+fn is_missing(e: &Error) -> bool {
+    e.errno() == libc::ENODATA || e.kind() == ErrorKind::NotFound
+}
+
+/// The holders of a lock, for messages: `node X (client.N at ADDR)`.
+pub fn describe(h: &ObjectLockers) -> String {
+    h.lockers
+        .iter()
+        .map(|l| match node_of(&l.cookie) {
+            Some(n) => format!("node {n} ({} at {})", l.client, l.addr),
+            None => format!("{} at {} (cookie {:?})", l.client, l.addr, l.cookie),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cookies_name_the_node() {
+        assert_eq!(node_of(&cookie("worker-1")), Some("worker-1"));
+        assert_eq!(node_of("auto 1234"), None);
+        let h = ObjectLockers {
+            exclusive: true,
+            tag: String::new(),
+            lockers: vec![
+                ObjectLocker {
+                    client: "client.41".into(),
+                    cookie: cookie("a"),
+                    addr: "10.0.0.1:0/7".into(),
+                },
+                ObjectLocker {
+                    client: "client.42".into(),
+                    cookie: "manual".into(),
+                    addr: "10.0.0.2:0/8".into(),
+                },
+            ],
+        };
+        assert_eq!(
+            describe(&h),
+            "node a (client.41 at 10.0.0.1:0/7), client.42 at 10.0.0.2:0/8 (cookie \"manual\")"
+        );
+    }
+}
