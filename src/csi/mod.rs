@@ -251,9 +251,7 @@ pub async fn run_until(
         std::fs::create_dir_all(&args.state_dir)
             .with_context(|| format!("creating {}", args.state_dir.display()))?;
         if let Some(m) = list.iter().find(|m| m.name() == default).cloned() {
-            ready_check = Some(Arc::new(move || {
-                m.find("").map(|_| ()).map_err(|e| e.to_string())
-            }));
+            ready_check = Some(Arc::new(move || m.ready()));
         }
         Some(
             node::NodeService::new(Arc::clone(&driver), list, default, args.state_dir.clone())

@@ -105,6 +105,10 @@ pub struct Stash {
     /// The staging lock this node took for it, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lock: Option<LockMode>,
+    /// The fsid of the image's cluster: krbd tells two clusters' images of
+    /// one name apart only by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster_fsid: Option<String>,
 }
 
 impl Stash {
@@ -245,6 +249,31 @@ impl NodeService {
     pub fn default_fs(mut self, fs_type: impl Into<String>) -> NodeService {
         self.default_fs = fs_type.into();
         self
+    }
+
+    /// The mapper of a stashed volume, told which cluster it is of.
+    fn stashed_mapper(&self, stash: &Stash) -> Result<Arc<dyn Mapper>, Status> {
+        let m = self.mapper(&stash.mapper)?;
+        if let Some(fsid) = &stash.cluster_fsid {
+            m.adopt(&stash.volume_id, fsid);
+        }
+        Ok(m)
+    }
+
+    /// The fsid of the volume's cluster (a local call once connected).
+    async fn cluster_fsid(
+        &self,
+        vol: &VolumeId,
+        secrets: &HashMap<String, String>,
+    ) -> Result<String, Status> {
+        let conn = self.driver.connect(&vol.cluster_id, secrets).await?;
+        self.driver
+            .ceph(&conn, |c, _m| Ok(c.fsid()?))
+            .await
+            .map_err(|e| match e {
+                VolumeError::Ceph(e) => status_of(&e),
+                other => Status::internal(other.to_string()),
+            })
     }
 
     fn mapper(&self, name: &str) -> Result<Arc<dyn Mapper>, Status> {
@@ -769,8 +798,10 @@ impl Node for NodeService {
         let info = self.driver.cluster(&vol.cluster_id)?;
         self.release_pending(&vol.cluster_id, &secrets.0, &id).await;
 
+        let fsid = self.cluster_fsid(&vol, &secrets.0).await?;
         let mut already_mapped = None;
         for m in &candidates {
+            m.adopt(&id, &fsid);
             let m2 = Arc::clone(m);
             let id2 = id.clone();
             if let Some(dev) = blocking(move || m2.find(&id2)).await? {
@@ -792,6 +823,7 @@ impl Node for NodeService {
             access_mode: Some(mode),
             mount_flags: Some(flags.clone()),
             lock: lock_mode,
+            cluster_fsid: Some(fsid.clone()),
         };
         if let Some(old) = &old_stash {
             stash.mapper = old.mapper.clone();
@@ -872,6 +904,7 @@ impl Node for NodeService {
                         pool: vol.pool.clone(),
                         namespace: vol.rados_namespace.clone(),
                         image: vol.image.clone(),
+                        cluster_fsid: Some(fsid.clone()),
                         snapshot: None,
                         read_only,
                         options,
@@ -990,14 +1023,28 @@ impl Node for NodeService {
         let target = staging.join(VOLUME);
         let stash = Stash::read(&staging)?;
         unmount_and_remove(&target).await?;
-        let targets: Vec<(Arc<dyn Mapper>, Vec<String>)> = match &stash {
-            Some(s) => vec![(self.mapper(&s.mapper)?, s.unmap_options.clone())],
-            None => self
-                .mappers
-                .iter()
-                .map(|m| (Arc::clone(m), Vec::new()))
-                .collect(),
-        };
+        let mut targets: Vec<(Arc<dyn Mapper>, Vec<String>)> = Vec::new();
+        match &stash {
+            Some(s) => targets.push((self.stashed_mapper(s)?, s.unmap_options.clone())),
+            // No stash: a repeat after success, or a volume staged by
+            // something else. The stash is written before any map, so only
+            // a mapper that has the volume mapped now gets an unmap; one
+            // that cannot answer (a mapper daemon that is down) holds
+            // nothing of this node's staging.
+            None => {
+                for m in &self.mappers {
+                    let (m2, id2) = (Arc::clone(m), id.clone());
+                    match blocking(move || m2.find(&id2)).await {
+                        Ok(Some(_)) => targets.push((Arc::clone(m), Vec::new())),
+                        Ok(None) => {}
+                        Err(e) => tracing::warn!(
+                            volume = %id, mapper = m.name(), error = %e.message(),
+                            "NodeUnstageVolume without a stash: this mapper cannot say whether it has the volume; skipped"
+                        ),
+                    }
+                }
+            }
+        }
         for (m, opts) in targets {
             let id2 = id.clone();
             blocking(move || m.unmap(&id2, &opts)).await?;
@@ -1115,7 +1162,7 @@ impl Node for NodeService {
             .and_then(|s| Stash::read(&s).ok().flatten());
         let mut abnormal: Option<String> = None;
         if let Some(s) = &stash {
-            if let (Ok(m), Some(dev)) = (self.mapper(&s.mapper), s.device.clone()) {
+            if let (Ok(m), Some(dev)) = (self.stashed_mapper(s), s.device.clone()) {
                 let id2 = id.clone();
                 match tokio::task::spawn_blocking(move || m.check(&id2, &dev)).await {
                     Ok(Ok(())) => {}
@@ -1207,7 +1254,7 @@ impl Node for NodeService {
                 self.release_pending(&vol.cluster_id, &secrets.0, "").await;
             }
         }
-        let mapper = self.mapper(&stash.mapper)?;
+        let mapper = self.stashed_mapper(&stash)?;
         let id2 = id.clone();
         // A Block volume too: krbd's device has grown by itself, the loop
         // device of rbdkit-fuse grows here (LOOP_SET_CAPACITY).

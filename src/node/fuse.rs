@@ -585,6 +585,10 @@ impl Mapper for FuseMapper {
         Ok(())
     }
 
+    fn ready(&self) -> std::result::Result<(), String> {
+        self.ping().map(|_| ()).map_err(|e| e.to_string())
+    }
+
     fn refresh_size(&self, volume_id: &str) -> Result<u64> {
         let r = self.call_ok(
             &ControlRequest::Refresh {

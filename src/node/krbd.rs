@@ -10,6 +10,12 @@
 //! go inline as `secret=`, inside the sysfs write, never in argv, a log or
 //! an error.
 //!
+//! A mapping is found by pool, namespace, image and snapshot as sysfs shows
+//! them, and by `cluster_fsid` when the caller knows the cluster
+//! ([`MapSpec::cluster_fsid`], [`Mapper::adopt`]): two clusters can hold
+//! images of the same names (a mirrored pair does). A snapshot mapping is
+//! never taken for the head, whoever made it.
+//!
 //! The sysfs and /dev roots are configurable so that the tests run against
 //! a fake tree: the machine this is developed on has no rbd kernel module,
 //! so this mapper is tested against a fake sysfs only.
@@ -41,6 +47,17 @@ pub struct KrbdDevice {
     pub image: String,
     /// `current_snap`: `-` for the head.
     pub snapshot: String,
+    /// `cluster_fsid`: the cluster the image is in (empty if the kernel
+    /// does not say).
+    pub cluster_fsid: String,
+}
+
+/// What this mapper knows of a volume it mapped: which snapshot (`-` for
+/// the head) and, where the node plugin said, which cluster.
+#[derive(Debug, Clone)]
+struct Known {
+    snapshot: String,
+    fsid: Option<String>,
 }
 
 /// Maps RBD images with the kernel rbd client.
@@ -57,7 +74,7 @@ pub struct KrbdMapper {
     busy_pause: Duration,
     /// One map or unmap at a time: the find-then-add check and the shared
     /// process-keyring entry must not interleave.
-    lock: Mutex<HashMap<String, String>>,
+    lock: Mutex<HashMap<String, Known>>,
 }
 
 impl Default for KrbdMapper {
@@ -198,22 +215,29 @@ impl KrbdMapper {
                 namespace: attr("pool_ns")?.unwrap_or_default(),
                 image,
                 snapshot: attr("current_snap")?.unwrap_or_else(|| HEAD.to_owned()),
+                cluster_fsid: attr("cluster_fsid")?.unwrap_or_default(),
             });
         }
         out.sort_by_key(|d| d.id);
         Ok(out)
     }
 
-    /// The device of `pool/namespace/image@snapshot`, if mapped.
+    /// The device of `pool/namespace/image@snapshot` of cluster `fsid`
+    /// (any cluster's when `None`), if mapped.
     fn find_image(
         &self,
         pool: &str,
         ns: &str,
         image: &str,
         snap: &str,
+        fsid: Option<&str>,
     ) -> Result<Option<KrbdDevice>> {
         Ok(self.devices()?.into_iter().find(|d| {
-            d.pool == pool && d.namespace == ns && d.image == image && d.snapshot == snap
+            d.pool == pool
+                && d.namespace == ns
+                && d.image == image
+                && d.snapshot == snap
+                && same_cluster(d, fsid)
         }))
     }
 
@@ -221,28 +245,44 @@ impl KrbdMapper {
         self.dev.join(format!("rbd{id}"))
     }
 
-    /// The device of `volume_id`: its image's head mapping, or the
-    /// snapshot this mapper mapped for it, or its only mapping of any
-    /// snapshot (after a restart forgot which).
-    fn find_device(&self, volume_id: &str, remembered: Option<&str>) -> Result<Option<KrbdDevice>> {
+    /// The device of `volume_id`: the mapping of its image's head (or of
+    /// the snapshot this mapper mapped for it) in its cluster. A mapping of
+    /// another snapshot is never taken for it: it may be anyone's. Without
+    /// the cluster (a restart, no stash), head mappings of the same name in
+    /// two clusters are refused as ambiguous rather than one picked.
+    fn find_device(&self, volume_id: &str, known: Option<&Known>) -> Result<Option<KrbdDevice>> {
         let id =
             VolumeId::parse(volume_id).map_err(|e| Error::invalid("krbd find", volume_id, e))?;
-        let all: Vec<KrbdDevice> = self
+        let want = known.map_or(HEAD, |k| k.snapshot.as_str());
+        let fsid = known.and_then(|k| k.fsid.as_deref());
+        let mut all: Vec<KrbdDevice> = self
             .devices()?
             .into_iter()
             .filter(|d| {
-                d.pool == id.pool && d.namespace == id.rados_namespace && d.image == id.image
+                d.pool == id.pool
+                    && d.namespace == id.rados_namespace
+                    && d.image == id.image
+                    && d.snapshot == want
+                    && same_cluster(d, fsid)
             })
             .collect();
-        let want = remembered.unwrap_or(HEAD);
-        if let Some(d) = all.iter().find(|d| d.snapshot == want) {
-            return Ok(Some(d.clone()));
+        if all.len() > 1 {
+            let devs: Vec<String> = all
+                .iter()
+                .map(|d| format!("rbd{} (cluster {})", d.id, d.cluster_fsid))
+                .collect();
+            return Err(Error::with_kind(
+                ErrorKind::AlreadyExists,
+                libc::EEXIST,
+                "krbd find",
+                volume_id,
+                format!(
+                    "the image is mapped from more than one cluster ({}) and which one this                      volume is was not recorded; unmap the stale one",
+                    devs.join(", ")
+                ),
+            ));
         }
-        Ok(if all.len() == 1 {
-            all.into_iter().next()
-        } else {
-            None
-        })
+        Ok(all.pop())
     }
 
     /// Waits (bounded by the settle timeout) for `probe` to give a value.
@@ -283,7 +323,7 @@ impl KrbdMapper {
         self.map(spec)
     }
 
-    fn do_map(&self, spec: &MapSpec, remembered: &mut HashMap<String, String>) -> Result<PathBuf> {
+    fn do_map(&self, spec: &MapSpec, remembered: &mut HashMap<String, Known>) -> Result<PathBuf> {
         let snap = spec.snapshot.as_deref().unwrap_or(HEAD);
         let object = image_spec(
             &spec.pool,
@@ -292,8 +332,13 @@ impl KrbdMapper {
             spec.snapshot.as_deref(),
         );
         validate(spec, &object)?;
-        if let Some(d) = self.find_image(&spec.pool, &spec.namespace, &spec.image, snap)? {
-            remembered.insert(spec.volume_id.clone(), snap.to_owned());
+        let fsid = spec.cluster_fsid.as_deref();
+        let known = Known {
+            snapshot: snap.to_owned(),
+            fsid: spec.cluster_fsid.clone(),
+        };
+        if let Some(d) = self.find_image(&spec.pool, &spec.namespace, &spec.image, snap, fsid)? {
+            remembered.insert(spec.volume_id.clone(), known);
             return self.wait_dev_node(&d, &object);
         }
 
@@ -323,9 +368,9 @@ impl KrbdMapper {
                 map_hint(errno)
             ))
         })?;
-        remembered.insert(spec.volume_id.clone(), snap.to_owned());
+        remembered.insert(spec.volume_id.clone(), known);
         let d = self
-            .settle(|| self.find_image(&spec.pool, &spec.namespace, &spec.image, snap))?
+            .settle(|| self.find_image(&spec.pool, &spec.namespace, &spec.image, snap, fsid))?
             .ok_or_else(|| {
                 Error::from_errno(libc::ETIMEDOUT, "krbd map", object.clone()).detail(format!(
                     "the kernel took the add string but no device for it appeared in {} within {:?}",
@@ -334,6 +379,15 @@ impl KrbdMapper {
                 ))
             })?;
         self.wait_dev_node(&d, &object)
+    }
+}
+
+/// Whether `d` is of cluster `fsid` (any, when `None` or when the kernel
+/// does not report the cluster).
+fn same_cluster(d: &KrbdDevice, fsid: Option<&str>) -> bool {
+    match fsid {
+        Some(f) if !d.cluster_fsid.is_empty() => d.cluster_fsid.eq_ignore_ascii_case(f),
+        _ => true,
     }
 }
 
@@ -501,16 +555,15 @@ impl Mapper for KrbdMapper {
 
     fn find(&self, volume_id: &str) -> Result<Option<PathBuf>> {
         let remembered = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        let snap = remembered.get(volume_id).map(String::as_str);
         Ok(self
-            .find_device(volume_id, snap)?
+            .find_device(volume_id, remembered.get(volume_id))?
             .map(|d| self.dev_path(d.id)))
     }
 
     fn unmap(&self, volume_id: &str, options: &[String]) -> Result<()> {
         let mut remembered = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        let snap = remembered.get(volume_id).cloned();
-        let Some(d) = self.find_device(volume_id, snap.as_deref())? else {
+        let known = remembered.get(volume_id).cloned();
+        let Some(d) = self.find_device(volume_id, known.as_ref())? else {
             remembered.remove(volume_id);
             return Ok(());
         };
@@ -565,10 +618,11 @@ impl Mapper for KrbdMapper {
 
     fn refresh_size(&self, volume_id: &str) -> Result<u64> {
         let remembered = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        let snap = remembered.get(volume_id).map(String::as_str);
-        let d = self.find_device(volume_id, snap)?.ok_or_else(|| {
-            Error::from_errno(libc::ENOENT, "krbd refresh", volume_id).detail("not mapped")
-        })?;
+        let d = self
+            .find_device(volume_id, remembered.get(volume_id))?
+            .ok_or_else(|| {
+                Error::from_errno(libc::ENOENT, "krbd refresh", volume_id).detail("not mapped")
+            })?;
         let dir = self.bus().join("devices").join(d.id.to_string());
         // `refresh` rereads the image header (the kernel also does on its
         // own when the header watch fires).
@@ -592,8 +646,7 @@ impl Mapper for KrbdMapper {
 
     fn check(&self, volume_id: &str, device: &Path) -> std::result::Result<(), String> {
         let remembered = self.lock.lock().unwrap_or_else(|p| p.into_inner());
-        let snap = remembered.get(volume_id).map(String::as_str);
-        match self.find_device(volume_id, snap) {
+        match self.find_device(volume_id, remembered.get(volume_id)) {
             Ok(Some(d)) if self.dev_path(d.id) == device => {
                 if device.exists() {
                     Ok(())
@@ -613,6 +666,28 @@ impl Mapper for KrbdMapper {
             Err(e) => Err(e.to_string()),
         }
     }
+
+    fn ready(&self) -> std::result::Result<(), String> {
+        let add = self.bus_file("add");
+        if !add.exists() {
+            return Err(format!(
+                "{} does not exist: the rbd kernel module is not loaded",
+                add.display()
+            ));
+        }
+        self.devices().map(|_| ()).map_err(|e| e.to_string())
+    }
+
+    fn adopt(&self, volume_id: &str, cluster_fsid: &str) {
+        let mut remembered = self.lock.lock().unwrap_or_else(|p| p.into_inner());
+        remembered
+            .entry(volume_id.to_owned())
+            .or_insert_with(|| Known {
+                snapshot: HEAD.to_owned(),
+                fsid: None,
+            })
+            .fsid = Some(cluster_fsid.to_owned());
+    }
 }
 
 #[cfg(test)]
@@ -621,6 +696,8 @@ mod tests {
     use crate::rados::Secret;
 
     const KEY: &str = "AQBzmwlnAAAAABAAcHyFYS4mxn8Z2x0Tk3nIrA==";
+    const FSID_A: &str = "6b1e8a4c-0f0e-4d52-9a3e-1f2a3b4c5d6e";
+    const FSID_B: &str = "d0c1b2a3-9e8f-4a7b-8c6d-5e4f3a2b1c0d";
 
     /// A fake sysfs + /dev tree; the test plays the kernel.
     struct Fake {
@@ -663,6 +740,19 @@ mod tests {
 
         /// Makes the sysfs directory and /dev node of a mapped device.
         fn add_device(&self, id: u32, pool: &str, ns: &str, image: &str, snap: &str) {
+            self.add_device_of(id, pool, ns, image, snap, FSID_A);
+        }
+
+        /// [`Fake::add_device`] of the cluster `fsid`.
+        fn add_device_of(
+            &self,
+            id: u32,
+            pool: &str,
+            ns: &str,
+            image: &str,
+            snap: &str,
+            fsid: &str,
+        ) {
             let d = self.bus().join("devices").join(id.to_string());
             std::fs::create_dir_all(&d).unwrap();
             for (f, v) in [
@@ -670,6 +760,7 @@ mod tests {
                 ("pool_ns", ns),
                 ("name", image),
                 ("current_snap", snap),
+                ("cluster_fsid", fsid),
             ] {
                 std::fs::write(d.join(f), format!("{v}\n")).unwrap();
             }
@@ -704,6 +795,7 @@ mod tests {
             pool: "rbd".into(),
             namespace: "ns1".into(),
             image: "vol-1".into(),
+            cluster_fsid: None,
             snapshot: None,
             read_only: false,
             options: vec!["lock_on_read".into(), "queue_depth=128".into()],
@@ -839,9 +931,13 @@ mod tests {
             mapper.find(&s.volume_id).unwrap(),
             Some(fake.dir.path().join("dev/rbd3"))
         );
-        // A fresh mapper (after a restart) still finds the only mapping.
+        // A fresh mapper (after a restart) does not take a snapshot
+        // mapping for the volume: it may be anyone's. Mapping again finds it.
+        let fresh = fake.mapper();
+        assert_eq!(fresh.find(&s.volume_id).unwrap(), None);
+        assert_eq!(fresh.map(&s).unwrap(), fake.dir.path().join("dev/rbd3"));
         assert_eq!(
-            fake.mapper().find(&s.volume_id).unwrap(),
+            fresh.find(&s.volume_id).unwrap(),
             Some(fake.dir.path().join("dev/rbd3"))
         );
         std::thread::scope(|scope| {
@@ -964,5 +1060,95 @@ mod tests {
         let e = fake.mapper().find("not-a-handle").unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument);
         assert_eq!(fake.mapper().find("rbdkit1/c/rbd//x").unwrap(), None);
+    }
+
+    #[test]
+    fn two_clusters_images_of_one_name_are_told_apart_by_fsid() {
+        let fake = Fake::new(false);
+        let mapper = fake.mapper();
+        let mut s = spec("admin");
+        s.options.clear();
+        // Cluster A's image of the same pool and name is mapped already.
+        fake.add_device_of(0, "rbd", "ns1", "vol-1", "-", FSID_A);
+        s.cluster_fsid = Some(FSID_B.to_ascii_uppercase());
+        std::thread::scope(|scope| {
+            let kernel = scope.spawn(|| {
+                let written = fake.take("add");
+                fake.add_device_of(1, "rbd", "ns1", "vol-1", "-", FSID_B);
+                written
+            });
+            // Not rbd0: that one is cluster A's.
+            assert_eq!(mapper.map(&s).unwrap(), fake.dir.path().join("dev/rbd1"));
+            assert!(kernel.join().unwrap().ends_with(" rbd vol-1 -"));
+        });
+        assert_eq!(
+            mapper.find(&s.volume_id).unwrap(),
+            Some(fake.dir.path().join("dev/rbd1"))
+        );
+        // After a restart, without the cluster, two candidates: refused by
+        // name rather than one picked.
+        let fresh = fake.mapper();
+        let e = fresh.find(&s.volume_id).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::AlreadyExists);
+        let msg = e.to_string();
+        assert!(
+            msg.contains("rbd0") && msg.contains("rbd1") && msg.contains(FSID_B),
+            "{msg}"
+        );
+        assert!(fresh.unmap(&s.volume_id, &[]).is_err());
+        assert_eq!(
+            std::fs::read_to_string(fake.bus().join("remove")).unwrap(),
+            ""
+        );
+        // Told the cluster (the node plugin's stash), it finds and unmaps B's.
+        fresh.adopt(&s.volume_id, FSID_B);
+        assert_eq!(
+            fresh.find(&s.volume_id).unwrap(),
+            Some(fake.dir.path().join("dev/rbd1"))
+        );
+        std::thread::scope(|scope| {
+            let kernel = scope.spawn(|| {
+                let line = fake.take("remove");
+                std::fs::remove_dir_all(fake.bus().join("devices/1")).unwrap();
+                line
+            });
+            fresh.unmap(&s.volume_id, &[]).unwrap();
+            assert_eq!(kernel.join().unwrap(), "1");
+        });
+        // Cluster A's mapping is untouched and, for cluster B, not this
+        // volume's.
+        assert!(fake.bus().join("devices/0").exists());
+        fresh.adopt(&s.volume_id, FSID_B);
+        assert_eq!(fresh.find(&s.volume_id).unwrap(), None);
+    }
+
+    #[test]
+    fn a_snapshot_mapping_is_never_taken_for_the_head() {
+        let fake = Fake::new(true);
+        fake.add_device(2, "rbd", "ns1", "vol-1", "snap-9");
+        let mapper = fake.mapper();
+        let id = spec("admin").volume_id;
+        assert_eq!(mapper.find(&id).unwrap(), None);
+        // Unmapping the volume leaves someone else's snapshot mapping be.
+        mapper.unmap(&id, &[]).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(fake.bus().join("remove_single_major")).unwrap(),
+            ""
+        );
+        assert!(mapper.check(&id, Path::new("/dev/rbd2")).is_err());
+    }
+
+    #[test]
+    fn ready_needs_the_bus_files() {
+        let fake = Fake::new(true);
+        assert_eq!(fake.mapper().ready(), Ok(()));
+        for f in ["add", "add_single_major"] {
+            std::fs::remove_file(fake.bus().join(f)).unwrap();
+        }
+        let why = fake.mapper().ready().unwrap_err();
+        assert!(
+            why.contains("bus/rbd/add") && why.contains("not loaded"),
+            "{why}"
+        );
     }
 }

@@ -39,6 +39,10 @@ pub struct MapSpec {
     pub namespace: String,
     /// The image.
     pub image: String,
+    /// The cluster's fsid (`rados_cluster_fsid`), when known: two clusters
+    /// can hold images of the same pool and name (a mirrored pair does), and
+    /// the kernel tells their mappings apart only by it.
+    pub cluster_fsid: Option<String>,
     /// Map this snapshot instead of the head (always read-only).
     pub snapshot: Option<String>,
     /// Map read-only.
@@ -72,6 +76,17 @@ pub trait Mapper: Send + Sync {
     /// Whether the mapping of `volume_id` still serves I/O; the error says
     /// why not, for the VolumeCondition.
     fn check(&self, volume_id: &str, device: &Path) -> Result<(), String>;
+
+    /// Whether this mapper can map on this node now (the node plugin's
+    /// Probe); the error says why not.
+    fn ready(&self) -> Result<(), String>;
+
+    /// Tells the mapper which cluster `volume_id` was mapped from, after a
+    /// restart made it forget (the node plugin keeps it in its stash). A
+    /// mapper whose volume ids already name the mapping ignores it.
+    fn adopt(&self, volume_id: &str, cluster_fsid: &str) {
+        let _ = (volume_id, cluster_fsid);
+    }
 }
 
 pub mod fuse;

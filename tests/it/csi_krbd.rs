@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rbdkit::csi::proto::{
-    NodePublishVolumeRequest, NodeUnpublishVolumeRequest, NodeUnstageVolumeRequest,
+    NodePublishVolumeRequest, NodeUnpublishVolumeRequest, NodeUnstageVolumeRequest, ProbeRequest,
 };
 use support::csi::{block_cap, CsiEnv, Mode};
 
@@ -133,14 +133,31 @@ async fn krbd_maps_and_unmaps_through_sysfs_strings() {
     let rbd = Arc::new(support::ceph::TestNs::new("csi-krbd"));
     let cluster_id = support::ceph::unique("csi-krbd");
     let (s, d) = (sys.display().to_string(), dev.display().to_string());
-    let env = CsiEnv::with_ns(
+    let mut env = CsiEnv::with_ns(
         rbd,
         cluster_id,
         Mode::All,
         "node-k",
-        &["--sysfs-root", &s, "--dev-root", &d],
+        &[
+            "--sysfs-root",
+            &s,
+            "--dev-root",
+            &d,
+            "--default-mapper",
+            "krbd",
+        ],
     )
     .await;
+    // krbd is this node's default mapper (a bus/rbd exists): Probe is ready
+    // (issue 25 defect 9: it never was).
+    let probe = env
+        .identity()
+        .await
+        .probe(ProbeRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(probe.ready, Some(true), "{}", env.csi.log_tail(20));
     let id = env.create_volume("pvc-krbd", 32 * MIB, block_cap()).await;
     let staging = env.path("staging");
     std::fs::create_dir_all(&staging).unwrap();
@@ -194,6 +211,10 @@ async fn krbd_maps_and_unmaps_through_sysfs_strings() {
         staging_target_path: staging.display().to_string(),
     };
     node.node_unstage_volume(unstage()).await.unwrap();
+    node.node_unstage_volume(unstage()).await.unwrap();
+    // Repeated with the userspace mapper down (its socket gone): still OK,
+    // since nothing of this staging was the mapper's (issue 25 defect 8).
+    env.mapper.as_mut().expect("a mapper").kill9();
     node.node_unstage_volume(unstage()).await.unwrap();
     std::thread::sleep(Duration::from_millis(100));
 

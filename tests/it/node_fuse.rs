@@ -226,6 +226,7 @@ fn spec(ns: &TestNs, volume_id: &str, image: &str) -> MapSpec {
         pool: POOL.into(),
         namespace: ns.name.clone(),
         image: image.into(),
+        cluster_fsid: None,
         snapshot: None,
         read_only: false,
         options: Vec::new(),

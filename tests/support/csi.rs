@@ -145,11 +145,13 @@ impl CsiEnv {
             mapper_sock.display().to_string(),
             "--state-dir".into(),
             dir.path().join("csi-state").display().to_string(),
-            "--default-mapper".into(),
-            "rbdkit-fuse".into(),
             "--topology".into(),
             format!("topology.rbd.rbdkit.io/node={node_id}"),
         ];
+        // rbdkit-fuse unless the test picks another.
+        if !extra_args.contains(&"--default-mapper") {
+            args.extend(["--default-mapper".into(), "rbdkit-fuse".into()]);
+        }
         args.extend(extra_args.iter().map(|a| a.to_string()));
         let csi = Daemon::rbdkit(
             &format!("rbdkit csi {node_id}"),
