@@ -305,7 +305,7 @@ async fn main() -> anyhow::Result<()> {
             "Grow the filesystem (NodeExpandVolume, what kubelet does on FileSystemResizePending)",
         );
         let bytes = i64::try_from(
-            rbdkit::k8s::quantity::parse_bytes(&args.expand_to)
+            rbdkit::volume::quantity::parse_bytes(&args.expand_to)
                 .map_err(|e| anyhow::anyhow!("--expand-to: {e}"))?,
         )?;
         n.expand(bytes).await?;

@@ -27,13 +27,13 @@ use crate::csi::proto::{
     ValidateVolumeCapabilitiesResponse, Volume, VolumeCapability,
 };
 use crate::csi::proto::{list_snapshots_response, volume_content_source, Snapshot};
-use crate::k8s::quantity::{round_up_mib, MIB};
 use crate::rbd::{self, Image};
 use crate::volume::ops::{self, Owner, VolumeError, META_PROVISIONER};
 use crate::volume::params::{
     check_access, ClassParams, SnapshotParams, CLUSTER_ID, POOL, PVC_NAMESPACE_META, PVC_NAME_META,
     VOLUMESNAPSHOTCONTENT_NAME_META,
 };
+use crate::volume::quantity::{round_up_mib, MIB};
 use crate::volume::snapshot::{
     self as snap, CloneOptions, Flatten, SnapshotFilter, SnapshotInfo, SnapshotOwner, META_KIND,
 };

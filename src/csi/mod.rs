@@ -28,8 +28,8 @@ use anyhow::Context as _;
 use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::blocking::BlockingPool;
-use crate::k8s::telemetry::{self, LogFormat};
 use crate::node::Mapper;
+use crate::telemetry::{self, LogFormat};
 use crate::volume::clusters::{ClustersFile, Connections};
 use crate::volume::NoMetrics;
 
@@ -204,7 +204,7 @@ fn mappers(args: &CsiArgs) -> anyhow::Result<(Vec<Arc<dyn Mapper>>, String)> {
 
 /// Runs the server until SIGTERM or SIGINT.
 pub async fn run(args: CsiArgs) -> anyhow::Result<()> {
-    run_until(args, crate::provisioner::shutdown_signal()).await
+    run_until(args, crate::shutdown::signal()).await
 }
 
 /// Runs the server until `shutdown` resolves.

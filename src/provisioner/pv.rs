@@ -10,8 +10,8 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::ObjectMeta;
 
-use crate::k8s::quantity::bytes_quantity;
 use crate::volume::params::{ClassParams, SecretRef};
+use crate::volume::quantity::bytes_quantity;
 use crate::volume::VolumeId;
 
 /// Annotation naming the provisioner that made a PV.
@@ -181,7 +181,7 @@ pub fn our_volume(pv: &PersistentVolume, provisioner: &str) -> Option<Result<Vol
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::k8s::quantity::MIB;
+    use crate::volume::quantity::MIB;
     use k8s_openapi::api::core::v1::{PersistentVolumeClaimSpec, VolumeResourceRequirements};
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 

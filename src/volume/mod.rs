@@ -4,6 +4,7 @@
 //! the same calls here, so an image made by one can be deleted or expanded
 //! by the other:
 //! - [`params`]: StorageClass / CSI parameters, validated;
+//! - [`quantity`]: sizes as Kubernetes quantities (`1Gi`, `500M`) and back;
 //! - [`id`]: the volume handle (`rbdkit1/cluster/pool/namespace/image`);
 //! - [`clusters`]: the ceph-csi clusters config and the connection cache;
 //! - [`ops`]: create, delete and expand, with ownership checks;
@@ -22,6 +23,7 @@ pub mod id;
 pub mod legacy;
 pub mod ops;
 pub mod params;
+pub mod quantity;
 pub mod snapshot;
 
 use std::collections::BTreeMap;
