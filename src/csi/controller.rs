@@ -38,7 +38,7 @@ use crate::volume::snapshot::{
     self as snap, CloneOptions, Flatten, SnapshotFilter, SnapshotInfo, SnapshotOwner, META_KIND,
 };
 use crate::volume::NoFence;
-use crate::volume::{volume_context, SnapshotId, VolumeId};
+use crate::volume::{image_base, volume_context, SnapshotId, VolumeId};
 
 /// How long one round of a background flatten may hold a blocking thread.
 const FLATTEN_ROUND: Duration = Duration::from_secs(60);
@@ -221,28 +221,6 @@ fn size_for(range: Option<&CapacityRange>) -> Result<(u64, u64, u64), Status> {
         )));
     }
     Ok((size, req, limit))
-}
-
-/// The image name for a CSI request name: the name itself when it is a
-/// safe image name, else a stable hash of it. Deterministic, so a retried
-/// CreateVolume finds the image the first attempt made.
-pub fn image_base(name: &str) -> String {
-    let safe = !name.is_empty()
-        && name.len() <= 200
-        && !name.starts_with('.')
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');
-    if safe {
-        return name.to_owned();
-    }
-    // 128-bit FNV-1a: stable across releases and platforms.
-    let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
-    for b in name.bytes() {
-        h ^= u128::from(b);
-        h = h.wrapping_mul(0x0000000001000000000000000000013B);
-    }
-    format!("csi-vol-{h:032x}")
 }
 
 fn to_hash(m: BTreeMap<String, String>) -> HashMap<String, String> {
@@ -927,15 +905,5 @@ mod tests {
         assert!(size_for(Some(&r(10, 5))).is_err());
         assert!(size_for(Some(&r(MIB as i64 + 1, MIB as i64 + 2))).is_err());
         assert!(size_for(Some(&r(-1, 0))).is_err());
-    }
-
-    #[test]
-    fn request_names_map_to_stable_safe_image_names() {
-        assert_eq!(image_base("pvc-1234"), "pvc-1234");
-        let odd = image_base("sanity/with spaces@x");
-        assert!(odd.starts_with("csi-vol-") && odd.len() == 8 + 32, "{odd}");
-        assert_eq!(odd, image_base("sanity/with spaces@x"));
-        assert_ne!(odd, image_base("sanity/with spaces@y"));
-        assert!(image_base(&"a".repeat(300)).starts_with("csi-vol-"));
     }
 }

@@ -5,7 +5,8 @@
 //! by the other:
 //! - [`params`]: StorageClass / CSI parameters, validated;
 //! - [`quantity`]: sizes as Kubernetes quantities (`1Gi`, `500M`) and back;
-//! - [`id`]: the volume handle (`rbdkit1/cluster/pool/namespace/image`);
+//! - [`id`]: the volume handle (`rbdkit1/cluster/pool/namespace/image`) and
+//!   the image name a request name gives;
 //! - [`clusters`]: the ceph-csi clusters config and the connection cache;
 //! - [`ops`]: create, delete and expand, with ownership checks;
 //! - [`gc`]: what a provisioner left behind, found and removed.
@@ -29,7 +30,7 @@ pub mod snapshot;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-pub use id::{SnapshotId, VolumeId};
+pub use id::{image_base, SnapshotId, VolumeId};
 
 use params::ClassParams;
 
