@@ -10,13 +10,15 @@
 //! - [`clusters`]: the ceph-csi clusters config and the connection cache;
 //! - [`ops`]: create, delete and expand, with ownership checks;
 //! - [`gc`]: what a provisioner left behind, found and removed.
+//! - [`pv`]: what marks a PV as this driver's (annotations, finalizer) and
+//!   how its volume and Secrets are read back;
 //! - [`legacy`]: PVs of the old RBD provisioners, read, matched to a cluster
 //!   and taken over.
 //! - [`snapshot`]: snapshots, restores, volume clones, clone depth limits
 //!   and the trash for sources that still have clones.
 //!
 //! Nothing here knows about Kubernetes objects (callers pass plain values)
-//! except [`legacy`], whose input is the old PVs themselves.
+//! except [`pv`] and [`legacy`], whose input is PVs themselves.
 
 pub mod clusters;
 pub mod gc;
@@ -24,6 +26,7 @@ pub mod id;
 pub mod legacy;
 pub mod ops;
 pub mod params;
+pub mod pv;
 pub mod quantity;
 pub mod snapshot;
 
