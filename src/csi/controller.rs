@@ -55,10 +55,29 @@ enum Source {
 /// Parses a snapshot id, with INVALID_ARGUMENT for an empty one and
 /// NOT_FOUND for one this driver cannot have made.
 fn snapshot_id(id: &str) -> Result<SnapshotId, Status> {
-    if id.is_empty() {
-        return Err(Status::invalid_argument("snapshot_id is empty"));
-    }
+    required("snapshot_id", id)?;
     SnapshotId::parse(id).map_err(|why| Status::not_found(format!("no such snapshot: {why}")))
+}
+
+/// The volume id in request field `field`: INVALID_ARGUMENT naming the
+/// field when it is empty, NOT_FOUND for one this driver cannot have made.
+fn volume_field(field: &str, id: &str) -> Result<VolumeId, Status> {
+    required(field, id)?;
+    volume_id(id)
+}
+
+/// A request's parameters, parsed by `parse`, with the map they were parsed
+/// from (for the CO's extra metadata). A bad one is INVALID_ARGUMENT, and
+/// the message names `class`, where the CO took the parameters from.
+fn class_params<P, E: std::fmt::Display>(
+    parameters: &HashMap<String, String>,
+    class: &str,
+    parse: impl FnOnce(&BTreeMap<String, String>) -> Result<P, E>,
+) -> Result<(BTreeMap<String, String>, P), Status> {
+    let raw: BTreeMap<String, String> = parameters.clone().into_iter().collect();
+    let params = parse(&raw)
+        .map_err(|e| Status::invalid_argument(e.to_string().replace("StorageClass", class)))?;
+    Ok((raw, params))
 }
 
 fn timestamp(t: SystemTime) -> prost_types::Timestamp {
@@ -245,14 +264,12 @@ impl Controller for ControllerService {
                 Some(Source::Snapshot(snapshot_id(&s.snapshot_id)?))
             }
             Some(volume_content_source::Type::Volume(v)) => {
-                Some(Source::Volume(volume_id(&v.volume_id)?))
+                Some(Source::Volume(volume_field("volume_id", &v.volume_id)?))
             }
         };
         // ReadOnlyMany is fine for a restore or a clone: it has content.
         check_caps(&req.volume_capabilities, source.is_none())?;
-        let raw: BTreeMap<String, String> = req.parameters.clone().into_iter().collect();
-        let params =
-            ClassParams::parse_csi(&raw).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let (raw, params) = class_params(&req.parameters, "StorageClass", ClassParams::parse_csi)?;
         let (mut size, required_bytes, limit) = size_for(req.capacity_range.as_ref())?;
         if source.is_some() && required_bytes == 0 {
             // The source's size (a larger limit only caps it).
@@ -589,14 +606,12 @@ impl Controller for ControllerService {
     ) -> Result<Response<CreateSnapshotResponse>, Status> {
         let req = req.into_inner();
         let name = required("name", &req.name)?.to_owned();
-        if req.source_volume_id.is_empty() {
-            return Err(Status::invalid_argument("source_volume_id is empty"));
-        }
-        let source = volume_id(&req.source_volume_id)?;
-        let raw: BTreeMap<String, String> = req.parameters.clone().into_iter().collect();
-        let params = SnapshotParams::parse(&raw).map_err(|e| {
-            Status::invalid_argument(e.to_string().replace("StorageClass", "VolumeSnapshotClass"))
-        })?;
+        let source = volume_field("source_volume_id", &req.source_volume_id)?;
+        let (raw, params) = class_params(
+            &req.parameters,
+            "VolumeSnapshotClass",
+            SnapshotParams::parse,
+        )?;
         for (key, want, have) in [
             (CLUSTER_ID, &params.cluster_id, &source.cluster_id),
             (POOL, &params.pool, &source.pool),
