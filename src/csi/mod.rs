@@ -3,7 +3,8 @@
 //!
 //! - [`proto`]: code generated from the CSI spec's `csi.proto`;
 //! - [`driver`]: the state the services share, and error mapping;
-//! - [`identity`], [`controller`], [`node`]: the services.
+//! - [`identity`], [`controller`], [`node`]: the services;
+//! - [`client`]: a channel to the server's socket, for those who play kubelet.
 //!
 //! The controller calls the same volume operations as the provisioner
 //! ([`crate::volume`]); the node service maps images through a
@@ -13,6 +14,7 @@
 //! process (`rbdkit fuse-mapper`), so restarting this server does not touch
 //! a mounted volume.
 
+pub mod client;
 pub mod controller;
 pub mod driver;
 pub mod identity;
