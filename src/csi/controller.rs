@@ -921,4 +921,28 @@ mod tests {
         assert!(size_for(Some(&r(MIB as i64 + 1, MIB as i64 + 2))).is_err());
         assert!(size_for(Some(&r(-1, 0))).is_err());
     }
+
+    #[test]
+    fn request_checks_name_the_field_and_the_class() {
+        let e = volume_field("source_volume_id", "").unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert_eq!(e.message(), "source_volume_id is empty");
+        let e = volume_field("volume_id", "not-a-handle").unwrap_err();
+        assert_eq!(e.code(), tonic::Code::NotFound);
+        assert_eq!(
+            snapshot_id("").unwrap_err().message(),
+            "snapshot_id is empty"
+        );
+
+        let raw = HashMap::from([("pool".to_owned(), "rbd".to_owned())]);
+        let (seen, n) =
+            class_params(&raw, "VolumeSnapshotClass", |m| Ok::<_, String>(m.len())).unwrap();
+        assert_eq!((seen.get("pool").map(String::as_str), n), (Some("rbd"), 1));
+        let e = class_params(&raw, "VolumeSnapshotClass", |_| {
+            Err::<(), _>("StorageClass parameter \"pool\": bad")
+        })
+        .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert_eq!(e.message(), "VolumeSnapshotClass parameter \"pool\": bad");
+    }
 }
