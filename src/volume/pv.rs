@@ -77,3 +77,51 @@ pub fn our_volume(pv: &PersistentVolume, provisioner: &str) -> Option<Result<Vol
     }
     Some(VolumeId::parse(&csi.volume_handle))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::api::core::v1::{CSIPersistentVolumeSource, PersistentVolumeSpec};
+    use kube::api::ObjectMeta;
+
+    #[test]
+    fn what_annotate_writes_is_read_back() {
+        let secret = SecretRef {
+            namespace: "ceph".into(),
+            name: "prov".into(),
+        };
+        let vol = VolumeId {
+            cluster_id: "c1".into(),
+            pool: "rbd".into(),
+            rados_namespace: String::new(),
+            image: "pvc-1".into(),
+        };
+        let mut annotations = BTreeMap::new();
+        annotate(&mut annotations, "rbd.rbdkit.io", &secret);
+        let mut pv = PersistentVolume {
+            metadata: ObjectMeta {
+                annotations: Some(annotations),
+                ..Default::default()
+            },
+            spec: Some(PersistentVolumeSpec {
+                csi: Some(CSIPersistentVolumeSource {
+                    driver: "rbd.rbdkit.io".into(),
+                    volume_handle: vol.handle(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            status: None,
+        };
+        assert_eq!(deletion_secret(&pv), Some(secret.clone()));
+        assert_eq!(our_volume(&pv, "rbd.rbdkit.io"), Some(Ok(vol)));
+        assert_eq!(our_volume(&pv, "other.io"), None);
+        // Without the annotations, the expand reference is the fallback.
+        assert_eq!(expand_secret(&pv), None);
+        pv.metadata.annotations = None;
+        let csi = pv.spec.as_mut().unwrap().csi.as_mut().unwrap();
+        csi.controller_expand_secret_ref = Some(secret_reference(&secret));
+        assert_eq!(deletion_secret(&pv), Some(secret));
+        assert_eq!(our_volume(&pv, "rbd.rbdkit.io"), None);
+    }
+}
