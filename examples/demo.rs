@@ -30,9 +30,9 @@ use kube::api::{DeleteParams, Patch, PatchParams};
 use kube::{Api, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
-use hyper_util::rt::TokioIo;
+use rbdkit::csi::client::unix_channel;
 use rbdkit::csi::proto::node_client::NodeClient;
 use rbdkit::csi::proto::{
     volume_capability, CapacityRange, NodeExpandVolumeRequest, NodePublishVolumeRequest,
@@ -305,7 +305,7 @@ async fn main() -> anyhow::Result<()> {
             "Grow the filesystem (NodeExpandVolume, what kubelet does on FileSystemResizePending)",
         );
         let bytes = i64::try_from(
-            rbdkit::k8s::quantity::parse_bytes(&args.expand_to)
+            rbdkit::volume::quantity::parse_bytes(&args.expand_to)
                 .map_err(|e| anyhow::anyhow!("--expand-to: {e}"))?,
         )?;
         n.expand(bytes).await?;
@@ -382,34 +382,6 @@ struct NodeDemo {
     mapper_state_dir: Option<PathBuf>,
 }
 
-/// A channel over a unix socket, retried until the server listens.
-async fn unix_channel(socket: &Path) -> anyhow::Result<Channel> {
-    let start = Instant::now();
-    loop {
-        let path = socket.to_owned();
-        // The URI is a placeholder: the connector ignores it.
-        let attempt = Endpoint::try_from("http://[::1]:50051")?
-            .connect_timeout(Duration::from_secs(5))
-            .timeout(Duration::from_secs(120))
-            .connect_with_connector(tower::service_fn(move |_| {
-                let path = path.clone();
-                async move {
-                    Ok::<_, std::io::Error>(TokioIo::new(
-                        tokio::net::UnixStream::connect(path).await?,
-                    ))
-                }
-            }))
-            .await;
-        match attempt {
-            Ok(ch) => return Ok(ch),
-            Err(_) if start.elapsed() < Duration::from_secs(30) => {
-                tokio::time::sleep(Duration::from_millis(100)).await
-            }
-            Err(e) => bail!("cannot reach {}: {e}", socket.display()),
-        }
-    }
-}
-
 /// The filesystem size at `path`, in MiB.
 fn size_mib(path: &Path) -> anyhow::Result<u64> {
     Ok(rbdkit::node::fs::stats(path)?.total_bytes >> 20)
@@ -446,7 +418,15 @@ impl NodeDemo {
             .with_context(|| format!("create {}", staging.display()))?;
         std::fs::create_dir_all(args.work.join("pods"))?;
         Ok(NodeDemo {
-            client: NodeClient::new(unix_channel(socket).await?),
+            client: NodeClient::new(
+                unix_channel(
+                    socket,
+                    Duration::from_secs(30),
+                    Some(Duration::from_secs(120)),
+                )
+                .await
+                .with_context(|| format!("cannot reach {}", socket.display()))?,
+            ),
             volume_id: csi.volume_handle.clone(),
             context: csi
                 .volume_attributes

@@ -49,12 +49,7 @@ pub(crate) fn release_startup_stack() {
     let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
         return;
     };
-    let Some(low) = maps
-        .lines()
-        .find(|l| l.ends_with("[stack]"))
-        .and_then(|l| l.split('-').next())
-        .and_then(|a| usize::from_str_radix(a, 16).ok())
-    else {
+    let Some(low) = stack_start(&maps) else {
         return;
     };
     let end = here.saturating_sub(MARGIN) & !(PAGE - 1);
@@ -120,36 +115,83 @@ pub(crate) fn release_startup_code() -> usize {
     released
 }
 
+/// One mapping of `/proc/PID/maps` or `/proc/PID/smaps`: its header line
+/// and, in smaps, the `Name: value ...` lines that follow it.
+struct Mapping<'a> {
+    start: usize,
+    end: usize,
+    perms: &'a str,
+    /// After offset, device and inode: the path, if any.
+    path: String,
+    fields: Vec<(&'a str, &'a str)>,
+}
+
+impl Mapping<'_> {
+    /// The first value of field `name` (`Rss`, `Anonymous`, ...), without
+    /// its unit.
+    fn field(&self, name: &str) -> Option<&str> {
+        self.fields
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| *v)
+    }
+}
+
+/// The mappings in `text` (the format of `/proc/PID/maps` or `smaps`). A
+/// header whose addresses do not parse is skipped with its field lines.
+fn mappings(text: &str) -> Vec<Mapping<'_>> {
+    let mut out = Vec::new();
+    let mut skipping = false;
+    for line in text.lines() {
+        let mut words = line.split_ascii_whitespace();
+        let Some(first) = words.next() else { continue };
+        if let Some((a, b)) = first.split_once('-') {
+            let (Ok(start), Ok(end)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+            else {
+                skipping = true;
+                continue;
+            };
+            skipping = false;
+            let perms = words.next().unwrap_or("");
+            let path = words.skip(3).collect::<Vec<_>>().join(" ");
+            out.push(Mapping {
+                start,
+                end,
+                perms,
+                path,
+                fields: Vec::new(),
+            });
+        } else if let (Some(name), false) = (first.strip_suffix(':'), skipping) {
+            if let Some(m) = out.last_mut() {
+                m.fields.push((name, words.next().unwrap_or("")));
+            }
+        }
+    }
+    out
+}
+
+/// The lowest address of the main thread's stack (`[stack]`) in `maps`.
+fn stack_start(maps: &str) -> Option<usize> {
+    mappings(maps)
+        .into_iter()
+        .find(|m| m.path == "[stack]")
+        .map(|m| m.start)
+}
+
 /// The `(start, end)` of each mapping in `smaps` (the format of
 /// `/proc/PID/smaps`) that is private and not writable, of a file named
 /// like a shared object (`*.so`, `*.so.*`) or equal to `exe`, and has
 /// `Anonymous: 0 kB`.
 fn clean_object_mappings(smaps: &str, exe: Option<&std::path::Path>) -> Vec<(usize, usize)> {
-    let mut out = Vec::new();
-    let mut current: Option<(usize, usize)> = None;
-    for line in smaps.lines() {
-        let mut fields = line.split_ascii_whitespace();
-        let Some(first) = fields.next() else { continue };
-        if let Some((a, b)) = first.split_once('-') {
-            let (Ok(start), Ok(end)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
-            else {
-                current = None;
-                continue;
-            };
-            let perms = fields.next().unwrap_or("").as_bytes();
-            // After offset, device and inode comes the path, if any.
-            let path = fields.skip(3).collect::<Vec<_>>().join(" ");
+    mappings(smaps)
+        .into_iter()
+        .filter(|m| {
+            let perms = m.perms.as_bytes();
             let private_read_only = perms.get(1) == Some(&b'-') && perms.get(3) == Some(&b'p');
-            current = (private_read_only && is_object(&path, exe)).then_some((start, end));
-        } else if first == "Anonymous:" {
-            if let Some(range) = current.take() {
-                if fields.next() == Some("0") {
-                    out.push(range);
-                }
-            }
-        }
-    }
-    out
+            private_read_only && is_object(&m.path, exe) && m.field("Anonymous") == Some("0")
+        })
+        .map(|m| (m.start, m.end))
+        .collect()
 }
 
 /// Whether `path` names a shared object or the executable.
@@ -215,6 +257,21 @@ Anonymous:             0 kB
     }
 
     #[test]
+    fn finds_the_main_thread_stack() {
+        let maps = "\
+55d0c0000000-55d0c0100000 r--p 00000000 fe:01 123 /usr/bin/rbdkit
+zzzz-7ffc00000000 rw-p 00000000 00:00 0 [stack]
+7ffc0aa00000-7ffc0aa21000 rw-p 00000000 00:00 0                          [stack]
+7ffc0ab00000-7ffc0ab02000 r-xp 00000000 00:00 0 [vdso]
+";
+        assert_eq!(stack_start(maps), Some(0x7ffc0aa00000));
+        assert_eq!(
+            stack_start("55d0c0000000-55d0c0100000 r--p 0 fe:01 1 /x\n"),
+            None
+        );
+    }
+
+    #[test]
     fn counts_threads() {
         let (tx, rx) = std::sync::mpsc::channel::<()>();
         let t = std::thread::spawn(move || rx.recv());
@@ -273,24 +330,11 @@ Anonymous:             0 kB
         let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
         let exe = std::fs::read_link("/proc/self/exe").unwrap();
         let clean = clean_object_mappings(&smaps, Some(&exe));
-        let mut total = 0;
-        let mut counted = false;
-        for line in smaps.lines() {
-            if let Some((a, b)) = line.split_once(' ').and_then(|(r, _)| r.split_once('-')) {
-                let range = (
-                    usize::from_str_radix(a, 16).unwrap_or(0),
-                    usize::from_str_radix(b, 16).unwrap_or(0),
-                );
-                counted = clean.contains(&range);
-            } else if counted && line.starts_with("Rss:") {
-                total += line
-                    .split_ascii_whitespace()
-                    .nth(1)
-                    .unwrap()
-                    .parse::<u64>()
-                    .unwrap();
-            }
-        }
-        total
+        mappings(&smaps)
+            .iter()
+            .filter(|m| clean.contains(&(m.start, m.end)))
+            .filter_map(|m| m.field("Rss"))
+            .map(|kib| kib.parse::<u64>().unwrap())
+            .sum()
     }
 }

@@ -55,6 +55,10 @@ pub mod node;
 #[cfg(feature = "service")]
 pub mod provisioner;
 #[cfg(feature = "service")]
+mod shutdown;
+#[cfg(feature = "service")]
+pub mod telemetry;
+#[cfg(feature = "service")]
 pub mod volume;
 
 pub use error::{Error, ErrorKind, Result};

@@ -13,11 +13,11 @@ use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::{Api, ListParams};
 use serde_json::json;
 
-use crate::provisioner::pv::{DELETION_SECRET_NAME, DELETION_SECRET_NAMESPACE, PROVISIONED_BY};
 use crate::rados::{Cluster, ConnectOptions};
 use crate::volume::clusters::{ClusterInfo, ClustersFile, Credentials};
 use crate::volume::gc::{self, Kind, Owned, References, Removed};
 use crate::volume::params::SecretRef;
+use crate::volume::pv::{DELETION_SECRET_NAME, DELETION_SECRET_NAMESPACE, PROVISIONED_BY};
 use crate::volume::VolumeId;
 
 /// How `rbdkit gc` prints its report.

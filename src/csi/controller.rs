@@ -27,18 +27,18 @@ use crate::csi::proto::{
     ValidateVolumeCapabilitiesResponse, Volume, VolumeCapability,
 };
 use crate::csi::proto::{list_snapshots_response, volume_content_source, Snapshot};
-use crate::k8s::quantity::{round_up_mib, MIB};
 use crate::rbd::{self, Image};
 use crate::volume::ops::{self, Owner, VolumeError, META_PROVISIONER};
 use crate::volume::params::{
     check_access, ClassParams, SnapshotParams, CLUSTER_ID, POOL, PVC_NAMESPACE_META, PVC_NAME_META,
     VOLUMESNAPSHOTCONTENT_NAME_META,
 };
+use crate::volume::quantity::{round_up_mib, MIB};
 use crate::volume::snapshot::{
     self as snap, CloneOptions, Flatten, SnapshotFilter, SnapshotInfo, SnapshotOwner, META_KIND,
 };
 use crate::volume::NoFence;
-use crate::volume::{volume_context, SnapshotId, VolumeId};
+use crate::volume::{image_base, volume_context, SnapshotId, VolumeId};
 
 /// How long one round of a background flatten may hold a blocking thread.
 const FLATTEN_ROUND: Duration = Duration::from_secs(60);
@@ -55,10 +55,29 @@ enum Source {
 /// Parses a snapshot id, with INVALID_ARGUMENT for an empty one and
 /// NOT_FOUND for one this driver cannot have made.
 fn snapshot_id(id: &str) -> Result<SnapshotId, Status> {
-    if id.is_empty() {
-        return Err(Status::invalid_argument("snapshot_id is empty"));
-    }
+    required("snapshot_id", id)?;
     SnapshotId::parse(id).map_err(|why| Status::not_found(format!("no such snapshot: {why}")))
+}
+
+/// The volume id in request field `field`: INVALID_ARGUMENT naming the
+/// field when it is empty, NOT_FOUND for one this driver cannot have made.
+fn volume_field(field: &str, id: &str) -> Result<VolumeId, Status> {
+    required(field, id)?;
+    volume_id(id)
+}
+
+/// A request's parameters, parsed by `parse`, with the map they were parsed
+/// from (for the CO's extra metadata). A bad one is INVALID_ARGUMENT, and
+/// the message names `class`, where the CO took the parameters from.
+fn class_params<P, E: std::fmt::Display>(
+    parameters: &HashMap<String, String>,
+    class: &str,
+    parse: impl FnOnce(&BTreeMap<String, String>) -> Result<P, E>,
+) -> Result<(BTreeMap<String, String>, P), Status> {
+    let raw: BTreeMap<String, String> = parameters.clone().into_iter().collect();
+    let params = parse(&raw)
+        .map_err(|e| Status::invalid_argument(e.to_string().replace("StorageClass", class)))?;
+    Ok((raw, params))
 }
 
 fn timestamp(t: SystemTime) -> prost_types::Timestamp {
@@ -223,28 +242,6 @@ fn size_for(range: Option<&CapacityRange>) -> Result<(u64, u64, u64), Status> {
     Ok((size, req, limit))
 }
 
-/// The image name for a CSI request name: the name itself when it is a
-/// safe image name, else a stable hash of it. Deterministic, so a retried
-/// CreateVolume finds the image the first attempt made.
-pub fn image_base(name: &str) -> String {
-    let safe = !name.is_empty()
-        && name.len() <= 200
-        && !name.starts_with('.')
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');
-    if safe {
-        return name.to_owned();
-    }
-    // 128-bit FNV-1a: stable across releases and platforms.
-    let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
-    for b in name.bytes() {
-        h ^= u128::from(b);
-        h = h.wrapping_mul(0x0000000001000000000000000000013B);
-    }
-    format!("csi-vol-{h:032x}")
-}
-
 fn to_hash(m: BTreeMap<String, String>) -> HashMap<String, String> {
     m.into_iter().collect()
 }
@@ -267,14 +264,12 @@ impl Controller for ControllerService {
                 Some(Source::Snapshot(snapshot_id(&s.snapshot_id)?))
             }
             Some(volume_content_source::Type::Volume(v)) => {
-                Some(Source::Volume(volume_id(&v.volume_id)?))
+                Some(Source::Volume(volume_field("volume_id", &v.volume_id)?))
             }
         };
         // ReadOnlyMany is fine for a restore or a clone: it has content.
         check_caps(&req.volume_capabilities, source.is_none())?;
-        let raw: BTreeMap<String, String> = req.parameters.clone().into_iter().collect();
-        let params =
-            ClassParams::parse_csi(&raw).map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let (raw, params) = class_params(&req.parameters, "StorageClass", ClassParams::parse_csi)?;
         let (mut size, required_bytes, limit) = size_for(req.capacity_range.as_ref())?;
         if source.is_some() && required_bytes == 0 {
             // The source's size (a larger limit only caps it).
@@ -611,14 +606,12 @@ impl Controller for ControllerService {
     ) -> Result<Response<CreateSnapshotResponse>, Status> {
         let req = req.into_inner();
         let name = required("name", &req.name)?.to_owned();
-        if req.source_volume_id.is_empty() {
-            return Err(Status::invalid_argument("source_volume_id is empty"));
-        }
-        let source = volume_id(&req.source_volume_id)?;
-        let raw: BTreeMap<String, String> = req.parameters.clone().into_iter().collect();
-        let params = SnapshotParams::parse(&raw).map_err(|e| {
-            Status::invalid_argument(e.to_string().replace("StorageClass", "VolumeSnapshotClass"))
-        })?;
+        let source = volume_field("source_volume_id", &req.source_volume_id)?;
+        let (raw, params) = class_params(
+            &req.parameters,
+            "VolumeSnapshotClass",
+            SnapshotParams::parse,
+        )?;
         for (key, want, have) in [
             (CLUSTER_ID, &params.cluster_id, &source.cluster_id),
             (POOL, &params.pool, &source.pool),
@@ -930,12 +923,26 @@ mod tests {
     }
 
     #[test]
-    fn request_names_map_to_stable_safe_image_names() {
-        assert_eq!(image_base("pvc-1234"), "pvc-1234");
-        let odd = image_base("sanity/with spaces@x");
-        assert!(odd.starts_with("csi-vol-") && odd.len() == 8 + 32, "{odd}");
-        assert_eq!(odd, image_base("sanity/with spaces@x"));
-        assert_ne!(odd, image_base("sanity/with spaces@y"));
-        assert!(image_base(&"a".repeat(300)).starts_with("csi-vol-"));
+    fn request_checks_name_the_field_and_the_class() {
+        let e = volume_field("source_volume_id", "").unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert_eq!(e.message(), "source_volume_id is empty");
+        let e = volume_field("volume_id", "not-a-handle").unwrap_err();
+        assert_eq!(e.code(), tonic::Code::NotFound);
+        assert_eq!(
+            snapshot_id("").unwrap_err().message(),
+            "snapshot_id is empty"
+        );
+
+        let raw = HashMap::from([("pool".to_owned(), "rbd".to_owned())]);
+        let (seen, n) =
+            class_params(&raw, "VolumeSnapshotClass", |m| Ok::<_, String>(m.len())).unwrap();
+        assert_eq!((seen.get("pool").map(String::as_str), n), (Some("rbd"), 1));
+        let e = class_params(&raw, "VolumeSnapshotClass", |_| {
+            Err::<(), _>("StorageClass parameter \"pool\": bad")
+        })
+        .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert_eq!(e.message(), "VolumeSnapshotClass parameter \"pool\": bad");
     }
 }

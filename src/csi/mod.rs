@@ -3,7 +3,8 @@
 //!
 //! - [`proto`]: code generated from the CSI spec's `csi.proto`;
 //! - [`driver`]: the state the services share, and error mapping;
-//! - [`identity`], [`controller`], [`node`]: the services.
+//! - [`identity`], [`controller`], [`node`]: the services;
+//! - [`client`]: a channel to the server's socket, for those who play kubelet.
 //!
 //! The controller calls the same volume operations as the provisioner
 //! ([`crate::volume`]); the node service maps images through a
@@ -13,6 +14,7 @@
 //! process (`rbdkit fuse-mapper`), so restarting this server does not touch
 //! a mounted volume.
 
+pub mod client;
 pub mod controller;
 pub mod driver;
 pub mod identity;
@@ -28,8 +30,8 @@ use anyhow::Context as _;
 use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::blocking::BlockingPool;
-use crate::k8s::telemetry::{self, LogFormat};
 use crate::node::Mapper;
+use crate::telemetry::{self, LogFormat};
 use crate::volume::clusters::{ClustersFile, Connections};
 use crate::volume::NoMetrics;
 
@@ -204,7 +206,7 @@ fn mappers(args: &CsiArgs) -> anyhow::Result<(Vec<Arc<dyn Mapper>>, String)> {
 
 /// Runs the server until SIGTERM or SIGINT.
 pub async fn run(args: CsiArgs) -> anyhow::Result<()> {
-    run_until(args, crate::provisioner::shutdown_signal()).await
+    run_until(args, crate::shutdown::signal()).await
 }
 
 /// Runs the server until `shutdown` resolves.

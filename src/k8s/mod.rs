@@ -1,8 +1,6 @@
 //! Kubernetes plumbing shared by the provisioner: clients, events, leader
 //! election and the like. It calls the library, never the other way round.
 //!
-//! - [`telemetry`]: tracing set-up (JSON or human-readable logs);
-//! - [`quantity`]: resource quantities (`1Gi`, `500M`) to bytes and back;
 //! - [`backoff`]: per-object capped exponential backoff and a global rate limit;
 //! - [`events`]: publishing Kubernetes events with bounded, single-line notes;
 //! - [`leader`]: leader election on a `coordination.k8s.io` Lease;
@@ -17,5 +15,3 @@ pub mod compact;
 pub mod events;
 pub mod health;
 pub mod leader;
-pub mod quantity;
-pub mod telemetry;

@@ -1941,7 +1941,7 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
         unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
     }
     crate::node::fuse_supervisor::no_core_dumps();
-    crate::k8s::telemetry::init(crate::k8s::telemetry::LogFormat::Text);
+    crate::telemetry::init(crate::telemetry::LogFormat::Text);
     let state_dir = args.state_dir.clone();
     std::fs::create_dir_all(&state_dir).map_err(|e| io_err(e, "mkdir", &state_dir))?;
     std::fs::set_permissions(&state_dir, std::fs::Permissions::from_mode(0o700))

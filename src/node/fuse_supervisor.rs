@@ -498,7 +498,7 @@ fn install_stop_handler() {
 /// whenever it dies, until a clean stop.
 pub fn supervise(args: FuseMapperArgs) -> Result<()> {
     no_core_dumps();
-    crate::k8s::telemetry::init(crate::k8s::telemetry::LogFormat::Text);
+    crate::telemetry::init(crate::telemetry::LogFormat::Text);
     let dir = &args.state_dir;
     std::fs::create_dir_all(dir).map_err(|e| io_err(e, "mkdir", dir))?;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))

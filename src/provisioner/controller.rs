@@ -33,7 +33,6 @@ use crate::blocking::BlockingPool;
 use crate::k8s::backoff::{before_work, FailureCounts, RateLimiter};
 use crate::k8s::compact::{Compact, PvDigest};
 use crate::k8s::events::Events;
-use crate::k8s::quantity::{bytes_quantity, parse_bytes, parse_whole_bytes, round_up_mib, MIB};
 use crate::provisioner::metrics::Metrics;
 use crate::provisioner::pv::{
     build_pv, claim_access_modes, claim_volume_mode, deletion_secret, expand_secret, our_volume,
@@ -46,6 +45,7 @@ use crate::volume::clusters::{ClustersFile, Conn, Connections};
 use crate::volume::legacy;
 use crate::volume::ops::{self, Deleted, Owner, VolumeError};
 use crate::volume::params::{check_access, ClassParams, SecretRef, TemplateContext};
+use crate::volume::quantity::{bytes_quantity, parse_bytes, parse_whole_bytes, round_up_mib, MIB};
 use crate::volume::snapshot::{self as snap, CloneOptions, Flatten};
 use crate::volume::{Fence, VolumeId};
 

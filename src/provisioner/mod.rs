@@ -47,9 +47,9 @@ use crate::k8s::backoff::{Backoff, RateLimiter};
 use crate::k8s::events::Events;
 use crate::k8s::health::Health;
 use crate::k8s::leader::{lease_name_for, validate_fence, LeaderElector, Timing};
-use crate::k8s::telemetry::{self, LogFormat};
 use crate::provisioner::controller::{CachedClaim, CachedPv, Context};
 use crate::provisioner::metrics::Metrics;
+use crate::telemetry::{self, LogFormat};
 use crate::volume::clusters::{ClustersFile, Connections};
 use crate::volume::{Fence, NoFence};
 
@@ -221,23 +221,7 @@ impl crate::volume::CephObserver for Observer {
 
 /// Runs the provisioner until SIGTERM or SIGINT.
 pub async fn run(args: ProvisionerArgs) -> anyhow::Result<()> {
-    run_until(args, shutdown_signal()).await
-}
-
-pub(crate) async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term => {}
-    }
-    tracing::info!("shutdown requested");
+    run_until(args, crate::shutdown::signal()).await
 }
 
 /// Runs the provisioner until `shutdown` resolves, then stops gracefully:

@@ -5,26 +5,20 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     CSIPersistentVolumeSource, ObjectReference, PersistentVolume, PersistentVolumeClaim,
-    PersistentVolumeSpec, SecretReference,
+    PersistentVolumeSpec,
 };
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::api::ObjectMeta;
 
-use crate::k8s::quantity::bytes_quantity;
 use crate::volume::params::{ClassParams, SecretRef};
+use crate::volume::pv::{annotate, secret_reference};
+use crate::volume::quantity::bytes_quantity;
 use crate::volume::VolumeId;
 
-/// Annotation naming the provisioner that made a PV.
-pub const PROVISIONED_BY: &str = "pv.kubernetes.io/provisioned-by";
-/// The finalizer external-provisioner puts on its PVs, so that a PV cannot
-/// disappear before its volume is deleted.
-pub const PV_FINALIZER: &str = "external-provisioner.volume.kubernetes.io/finalizer";
-/// PV annotation: name of the Secret used to delete the volume (so delete
-/// works after the StorageClass is gone).
-pub const DELETION_SECRET_NAME: &str = "volume.kubernetes.io/provisioner-deletion-secret-name";
-/// PV annotation: namespace of that Secret.
-pub const DELETION_SECRET_NAMESPACE: &str =
-    "volume.kubernetes.io/provisioner-deletion-secret-namespace";
+pub use crate::volume::pv::{
+    deletion_secret, expand_secret, our_volume, DELETION_SECRET_NAME, DELETION_SECRET_NAMESPACE,
+    PROVISIONED_BY, PV_FINALIZER,
+};
 
 /// The PV name for a claim: `pvc-<uid>`, as the PV binder expects.
 pub fn pv_name_for(claim: &PersistentVolumeClaim) -> Option<String> {
@@ -74,13 +68,6 @@ pub struct PvInput<'a> {
     pub node_stage_secret: Option<&'a SecretRef>,
 }
 
-fn secret_reference(s: &SecretRef) -> SecretReference {
-    SecretReference {
-        name: Some(s.name.clone()),
-        namespace: Some(s.namespace.clone()),
-    }
-}
-
 /// Builds the PV for a provisioned image.
 pub fn build_pv(input: &PvInput<'_>) -> PersistentVolume {
     let claim = input.claim;
@@ -88,14 +75,10 @@ pub fn build_pv(input: &PvInput<'_>) -> PersistentVolume {
     let attributes = crate::volume::volume_context(input.volume, input.params);
 
     let mut annotations = BTreeMap::new();
-    annotations.insert(PROVISIONED_BY.to_owned(), input.provisioner.to_owned());
-    annotations.insert(
-        DELETION_SECRET_NAME.to_owned(),
-        input.provisioner_secret.name.clone(),
-    );
-    annotations.insert(
-        DELETION_SECRET_NAMESPACE.to_owned(),
-        input.provisioner_secret.namespace.clone(),
+    annotate(
+        &mut annotations,
+        input.provisioner,
+        input.provisioner_secret,
     );
 
     let capacity = BTreeMap::from([("storage".to_owned(), bytes_quantity(input.capacity_bytes))]);
@@ -144,44 +127,10 @@ pub fn build_pv(input: &PvInput<'_>) -> PersistentVolume {
     }
 }
 
-/// The Secret to delete a PV's volume with: the annotations external-
-/// provisioner also uses, else the controller-expand secret reference.
-pub fn deletion_secret(pv: &PersistentVolume) -> Option<SecretRef> {
-    let ann = pv.metadata.annotations.as_ref();
-    let from_ann = ann.and_then(|a| {
-        Some(SecretRef {
-            name: a.get(DELETION_SECRET_NAME)?.clone(),
-            namespace: a.get(DELETION_SECRET_NAMESPACE)?.clone(),
-        })
-    });
-    from_ann.or_else(|| expand_secret(pv))
-}
-
-/// The Secret to expand a PV's volume with: its `controllerExpandSecretRef`,
-/// else the deletion secret annotations.
-pub fn expand_secret(pv: &PersistentVolume) -> Option<SecretRef> {
-    let csi = pv.spec.as_ref()?.csi.as_ref()?;
-    let r = csi.controller_expand_secret_ref.as_ref()?;
-    Some(SecretRef {
-        name: r.name.clone()?,
-        namespace: r.namespace.clone()?,
-    })
-}
-
-/// The volume of a PV that `provisioner` made: `None` for any other PV.
-pub fn our_volume(pv: &PersistentVolume, provisioner: &str) -> Option<Result<VolumeId, String>> {
-    let by = pv.metadata.annotations.as_ref()?.get(PROVISIONED_BY)?;
-    let csi = pv.spec.as_ref()?.csi.as_ref()?;
-    if by != provisioner || csi.driver != provisioner {
-        return None;
-    }
-    Some(VolumeId::parse(&csi.volume_handle))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::k8s::quantity::MIB;
+    use crate::volume::quantity::MIB;
     use k8s_openapi::api::core::v1::{PersistentVolumeClaimSpec, VolumeResourceRequirements};
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 

@@ -37,8 +37,8 @@ use kube::{Resource, ResourceExt};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::csi::controller::image_base;
 use crate::provisioner::controller::{edit_meta, Context, ReconcileError};
+use crate::volume::image_base;
 use crate::volume::ops::VolumeError;
 use crate::volume::params::{
     SecretRef, SnapshotParams, CLUSTER_ID, POOL, SNAPSHOTTER_SECRET_NAME,

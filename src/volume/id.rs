@@ -1,4 +1,5 @@
-//! The volume handle: which cluster, pool, namespace and image a volume is.
+//! The volume handle: which cluster, pool, namespace and image a volume is;
+//! and [`image_base`], the image name a request name gives.
 //!
 //! The same handle is the PV's `volumeHandle` and the CSI `volume_id`, so
 //! the provisioner and the CSI driver can each work on the other's volumes.
@@ -156,6 +157,29 @@ impl SnapshotId {
     }
 }
 
+/// The image name for a request name (a CSI request's, or a snapshot
+/// content's): the name itself when it is a safe image name, else a stable
+/// hash of it. Deterministic, so a retried request finds the image the
+/// first attempt made, whichever front end made it.
+pub fn image_base(name: &str) -> String {
+    let safe = !name.is_empty()
+        && name.len() <= 200
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');
+    if safe {
+        return name.to_owned();
+    }
+    // 128-bit FNV-1a: stable across releases and platforms.
+    let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
+    for b in name.bytes() {
+        h ^= u128::from(b);
+        h = h.wrapping_mul(0x0000000001000000000000000000013B);
+    }
+    format!("csi-vol-{h:032x}")
+}
+
 fn escape(s: &str) -> String {
     s.replace('%', "%25").replace('/', "%2F")
 }
@@ -250,5 +274,15 @@ mod tests {
         ] {
             assert!(SnapshotId::parse(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn request_names_map_to_stable_safe_image_names() {
+        assert_eq!(image_base("pvc-1234"), "pvc-1234");
+        let odd = image_base("sanity/with spaces@x");
+        assert!(odd.starts_with("csi-vol-") && odd.len() == 8 + 32, "{odd}");
+        assert_eq!(odd, image_base("sanity/with spaces@x"));
+        assert_ne!(odd, image_base("sanity/with spaces@y"));
+        assert!(image_base(&"a".repeat(300)).starts_with("csi-vol-"));
     }
 }

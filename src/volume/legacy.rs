@@ -23,7 +23,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use k8s_openapi::api::core::v1::{
-    CSIPersistentVolumeSource, PersistentVolume, PersistentVolumeSpec, SecretReference,
+    CSIPersistentVolumeSource, PersistentVolume, PersistentVolumeSpec,
 };
 use kube::api::ObjectMeta;
 
@@ -32,11 +32,10 @@ use crate::rbd::Image;
 use crate::volume::clusters::{monitor_list, ClustersConfig};
 use crate::volume::ops::{self, timed, Owner, VolumeError, META_PROVISIONER, META_PV};
 use crate::volume::params::SecretRef;
+use crate::volume::pv::{annotate, secret_reference, PROVISIONED_BY, PV_FINALIZER};
 use crate::volume::{CephObserver, Fence, VolumeId};
 use crate::ErrorKind;
 
-/// The annotation every provisioner puts on the PVs it makes.
-const PROVISIONED_BY: &str = "pv.kubernetes.io/provisioned-by";
 /// PV annotation: when and from what a PV was migrated (JSON).
 pub const MIGRATED_FROM: &str = "rbdkit.io/migrated-from";
 /// PV annotation while a migration runs: the reclaim policy to restore.
@@ -538,13 +537,6 @@ pub struct CsiTarget<'a> {
     pub now: &'a str,
 }
 
-fn secret_reference(s: &SecretRef) -> SecretReference {
-    SecretReference {
-        name: Some(s.name.clone()),
-        namespace: Some(s.namespace.clone()),
-    }
-}
-
 /// The CSI PV replacing `old` (the legacy PV `legacy` was read from):
 /// same name, claimRef, capacity, access modes, volume mode, class, mount
 /// options, labels and reclaim policy; a `spec.csi` source of `driver`;
@@ -557,15 +549,7 @@ pub fn csi_pv(
 ) -> PersistentVolume {
     let spec = old.spec.clone().unwrap_or_default();
     let mut annotations = old.metadata.annotations.clone().unwrap_or_default();
-    annotations.insert(PROVISIONED_BY.to_owned(), t.driver.to_owned());
-    annotations.insert(
-        crate::provisioner::pv::DELETION_SECRET_NAME.to_owned(),
-        t.secret.name.clone(),
-    );
-    annotations.insert(
-        crate::provisioner::pv::DELETION_SECRET_NAMESPACE.to_owned(),
-        t.secret.namespace.clone(),
-    );
+    annotate(&mut annotations, t.driver, t.secret);
     let source = if spec.rbd.is_some() {
         serde_json::json!({"rbd": spec.rbd})
     } else {
@@ -600,7 +584,7 @@ pub fn csi_pv(
         .into_iter()
         .filter(|f| f == "kubernetes.io/pv-protection")
         .collect();
-    finalizers.push(crate::provisioner::pv::PV_FINALIZER.to_owned());
+    finalizers.push(PV_FINALIZER.to_owned());
     let mut claim_ref = spec.claim_ref.clone();
     if let Some(r) = claim_ref.as_mut() {
         // The binder compares the uid only; an old resourceVersion is stale.
@@ -933,10 +917,10 @@ mod tests {
             new.metadata.finalizers.as_ref().unwrap(),
             &vec![
                 "kubernetes.io/pv-protection".to_owned(),
-                crate::provisioner::pv::PV_FINALIZER.to_owned()
+                PV_FINALIZER.to_owned()
             ]
         );
-        assert!(crate::provisioner::pv::our_volume(&new, "rbd.rbdkit.io").is_some());
+        assert!(crate::volume::pv::our_volume(&new, "rbd.rbdkit.io").is_some());
     }
 
     #[test]

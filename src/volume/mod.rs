@@ -4,17 +4,21 @@
 //! the same calls here, so an image made by one can be deleted or expanded
 //! by the other:
 //! - [`params`]: StorageClass / CSI parameters, validated;
-//! - [`id`]: the volume handle (`rbdkit1/cluster/pool/namespace/image`);
+//! - [`quantity`]: sizes as Kubernetes quantities (`1Gi`, `500M`) and back;
+//! - [`id`]: the volume handle (`rbdkit1/cluster/pool/namespace/image`) and
+//!   the image name a request name gives;
 //! - [`clusters`]: the ceph-csi clusters config and the connection cache;
 //! - [`ops`]: create, delete and expand, with ownership checks;
 //! - [`gc`]: what a provisioner left behind, found and removed.
+//! - [`pv`]: what marks a PV as this driver's (annotations, finalizer) and
+//!   how its volume and Secrets are read back;
 //! - [`legacy`]: PVs of the old RBD provisioners, read, matched to a cluster
 //!   and taken over.
 //! - [`snapshot`]: snapshots, restores, volume clones, clone depth limits
 //!   and the trash for sources that still have clones.
 //!
 //! Nothing here knows about Kubernetes objects (callers pass plain values)
-//! except [`legacy`], whose input is the old PVs themselves.
+//! except [`pv`] and [`legacy`], whose input is PVs themselves.
 
 pub mod clusters;
 pub mod gc;
@@ -22,12 +26,14 @@ pub mod id;
 pub mod legacy;
 pub mod ops;
 pub mod params;
+pub mod pv;
+pub mod quantity;
 pub mod snapshot;
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-pub use id::{SnapshotId, VolumeId};
+pub use id::{image_base, SnapshotId, VolumeId};
 
 use params::ClassParams;
 

@@ -8,8 +8,8 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use crate::k8s::quantity::{parse_bytes, MIB};
 use crate::rbd::Features;
+use crate::volume::quantity::{parse_bytes, MIB};
 
 /// `clusterID`: the entry of the clusters config to use.
 pub const CLUSTER_ID: &str = "clusterID";

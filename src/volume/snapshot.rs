@@ -1222,61 +1222,8 @@ pub fn ensure_volume_from_snapshot(
     owner: &Owner,
     opts: &CloneOptions,
 ) -> Result<Cloned, VolumeError> {
-    same_place(&snap.image_id(), vol)?;
-    let io = ioctx(cluster, metrics, vol)?;
-    let want = snap.handle();
-    match open_if_exists(&io, metrics, &vol.image)? {
-        Some(img) => {
-            check_owner(&img, metrics, &owner.provisioner, &owner.pv_name)?;
-            check_source(&meta(&img, metrics)?, &vol.image, &want)?;
-            let id = timed(metrics, "id", || img.id())?;
-            drop(img);
-            finish_cut_short_rename(&io, metrics, &*opts.fence, &vol.image, &id)?;
-        }
-        None => {
-            let missing = || VolumeError::Missing {
-                image: snap.to_string(),
-            };
-            let s = open_if_exists(&io, metrics, &snap.image)?.ok_or_else(missing)?;
-            check_snapshot(&meta(&s, metrics)?, &owner.provisioner, None, &snap.image)?;
-            let snaps = timed(metrics, "snap_list", || s.snap_list())?;
-            let info = snaps
-                .iter()
-                .find(|i| i.name == snap.snap)
-                .ok_or_else(missing)?;
-            if size != 0 && size < info.size {
-                return Err(VolumeError::ShrinkRefused {
-                    image: vol.image.clone(),
-                    current: info.size,
-                    requested: size,
-                });
-            }
-            let features = timed(metrics, "features", || s.features())?;
-            drop(s);
-            let mut m: Vec<(&'static str, String)> = owner
-                .pairs()
-                .iter()
-                .map(|(k, v)| (*k, (*v).to_owned()))
-                .collect();
-            m.push((META_SOURCE, want.clone()));
-            let job = CloneJob {
-                io: &io,
-                parent: &snap.image,
-                parent_snap: &snap.snap,
-                temp_snap: false,
-                name: &vol.image,
-                provisioner: &owner.provisioner,
-                meta: m,
-                size,
-                options: clone_options(options, features)?,
-            };
-            make_clone(metrics, &job, opts)?;
-            let img = timed(metrics, "open", || Image::open_read_only(&io, &vol.image))?;
-            check_owner(&img, metrics, &owner.provisioner, &owner.pv_name)?;
-            check_source(&meta(&img, metrics)?, &vol.image, &want)?;
-        }
-    }
-    finish_clone(cluster, metrics, &io, vol, &owner.provisioner, opts)
+    let parent = Parent::Snapshot(snap);
+    ensure_clone(cluster, metrics, parent, vol, size, options, owner, opts)
 }
 
 /// Makes sure volume `vol` exists as a clone of volume `source` and is
@@ -1294,14 +1241,68 @@ pub fn ensure_volume_from_volume(
     owner: &Owner,
     opts: &CloneOptions,
 ) -> Result<Cloned, VolumeError> {
-    same_place(source, vol)?;
-    if source.image == vol.image {
+    let parent = Parent::Volume(source);
+    ensure_clone(cluster, metrics, parent, vol, size, options, owner, opts)
+}
+
+/// What a new volume is cloned from.
+#[derive(Clone, Copy)]
+enum Parent<'a> {
+    /// A snapshot: cloned from it directly.
+    Snapshot(&'a SnapshotId),
+    /// A volume: cloned from a temporary snapshot of it.
+    Volume(&'a VolumeId),
+}
+
+impl Parent<'_> {
+    /// The parent's image, as a volume.
+    fn image(self) -> VolumeId {
+        match self {
+            Parent::Snapshot(s) => s.image_id(),
+            Parent::Volume(v) => v.clone(),
+        }
+    }
+
+    /// The handle a clone of it records as its source.
+    fn handle(self) -> String {
+        match self {
+            Parent::Snapshot(s) => s.handle(),
+            Parent::Volume(v) => v.handle(),
+        }
+    }
+
+    /// What a missing parent is called in the error.
+    fn missing(self) -> VolumeError {
+        let image = match self {
+            Parent::Snapshot(s) => s.to_string(),
+            Parent::Volume(v) => v.to_string(),
+        };
+        VolumeError::Missing { image }
+    }
+}
+
+/// [`ensure_volume_from_snapshot`] and [`ensure_volume_from_volume`]: the
+/// same steps, but for how the parent is checked, sized and snapshotted.
+#[allow(clippy::too_many_arguments)]
+fn ensure_clone(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    parent: Parent<'_>,
+    vol: &VolumeId,
+    size: u64,
+    options: &ImageOptions,
+    owner: &Owner,
+    opts: &CloneOptions,
+) -> Result<Cloned, VolumeError> {
+    let parent_image = parent.image();
+    same_place(&parent_image, vol)?;
+    if matches!(parent, Parent::Volume(_)) && parent_image.image == vol.image {
         return Err(VolumeError::Refused {
             why: format!("volume {vol} cannot be a clone of itself"),
         });
     }
     let io = ioctx(cluster, metrics, vol)?;
-    let want = source.handle();
+    let want = parent.handle();
     match open_if_exists(&io, metrics, &vol.image)? {
         Some(img) => {
             check_owner(&img, metrics, &owner.provisioner, &owner.pv_name)?;
@@ -1311,22 +1312,33 @@ pub fn ensure_volume_from_volume(
             finish_cut_short_rename(&io, metrics, &*opts.fence, &vol.image, &id)?;
         }
         None => {
-            let src = open_if_exists(&io, metrics, &source.image)?.ok_or_else(|| {
-                VolumeError::Missing {
-                    image: source.to_string(),
+            let p = open_if_exists(&io, metrics, &parent_image.image)?
+                .ok_or_else(|| parent.missing())?;
+            let (parent_size, parent_snap, temp_snap) = match parent {
+                Parent::Snapshot(snap) => {
+                    check_snapshot(&meta(&p, metrics)?, &owner.provisioner, None, &snap.image)?;
+                    let snaps = timed(metrics, "snap_list", || p.snap_list())?;
+                    let info = snaps
+                        .iter()
+                        .find(|i| i.name == snap.snap)
+                        .ok_or_else(|| parent.missing())?;
+                    (info.size, snap.snap.clone(), false)
                 }
-            })?;
-            check_volume(&meta(&src, metrics)?, &owner.provisioner, &source.image)?;
-            let src_size = timed(metrics, "size", || src.size())?;
-            if size != 0 && size < src_size {
+                Parent::Volume(source) => {
+                    check_volume(&meta(&p, metrics)?, &owner.provisioner, &source.image)?;
+                    let src_size = timed(metrics, "size", || p.size())?;
+                    (src_size, temp_snap_name(&vol.image), true)
+                }
+            };
+            if size != 0 && size < parent_size {
                 return Err(VolumeError::ShrinkRefused {
                     image: vol.image.clone(),
-                    current: src_size,
+                    current: parent_size,
                     requested: size,
                 });
             }
-            let features = timed(metrics, "features", || src.features())?;
-            drop(src);
+            let features = timed(metrics, "features", || p.features())?;
+            drop(p);
             let mut m: Vec<(&'static str, String)> = owner
                 .pairs()
                 .iter()
@@ -1335,9 +1347,9 @@ pub fn ensure_volume_from_volume(
             m.push((META_SOURCE, want.clone()));
             let job = CloneJob {
                 io: &io,
-                parent: &source.image,
-                parent_snap: &temp_snap_name(&vol.image),
-                temp_snap: true,
+                parent: &parent_image.image,
+                parent_snap: &parent_snap,
+                temp_snap,
                 name: &vol.image,
                 provisioner: &owner.provisioner,
                 meta: m,

@@ -6,7 +6,7 @@
 //! against the real test API server.
 use crate::support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use clap::Parser;
 
@@ -16,12 +16,12 @@ use k8s_openapi::api::storage::v1::{CSIDriver, StorageClass};
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
 use kube::discovery::{self, Scope};
 use kube::Api;
-use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use rbdkit::csi::{CsiArgs, Mode};
 use rbdkit::node::fuse_daemon::FuseMapperArgs;
 use support::k8s::ControlPlane;
+use support::manifests::{manifests, one};
 
 #[derive(Parser)]
 struct CsiOnly {
@@ -46,39 +46,6 @@ fn parse_args<P: Parser>(c: &Container, sub: &str) -> P {
 
 fn path_str(p: &Path) -> &str {
     p.to_str().unwrap()
-}
-
-fn deploy_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy")
-}
-
-/// Every document of every YAML file in deploy/ and deploy/example/, with its file.
-fn manifests() -> Vec<(String, Value)> {
-    let mut out = Vec::new();
-    for dir in [deploy_dir(), deploy_dir().join("example")] {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
-            .collect();
-        files.sort();
-        for f in files {
-            let text = std::fs::read_to_string(&f).unwrap();
-            let docs: Vec<Value> = serde_saphyr::from_multiple(&text)
-                .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
-            for d in docs.into_iter().filter(|d| !d.is_null()) {
-                out.push((f.display().to_string(), d));
-            }
-        }
-    }
-    out
-}
-
-fn one<T: DeserializeOwned>(docs: &[(String, Value)], kind: &str) -> T {
-    let found: Vec<&(String, Value)> = docs.iter().filter(|(_, d)| d["kind"] == kind).collect();
-    assert_eq!(found.len(), 1, "expected one {kind}");
-    serde_json::from_value(found[0].1.clone())
-        .unwrap_or_else(|e| panic!("{}: {e}\n{:#}", found[0].0, found[0].1))
 }
 
 fn container<'a>(pod: &'a PodSpec, name: &str) -> &'a Container {

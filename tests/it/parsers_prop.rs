@@ -8,10 +8,10 @@ use std::collections::BTreeMap;
 use proptest::prelude::*;
 
 use rbdkit::cli::ImageSpec;
-use rbdkit::k8s::quantity::{bytes_quantity, parse_bytes, parse_whole_bytes};
 use rbdkit::node::options::{options_for, MounterKind};
 use rbdkit::volume::clusters::ClustersConfig;
 use rbdkit::volume::params::ClassParams;
+use rbdkit::volume::quantity::{bytes_quantity, parse_bytes, parse_whole_bytes};
 use rbdkit::volume::{SnapshotId, VolumeId};
 
 fn config() -> ProptestConfig {

@@ -16,10 +16,10 @@ use kube::api::{ListParams, PostParams};
 use kube::Api;
 use serde_json::json;
 
-use rbdkit::k8s::quantity::MIB;
 use rbdkit::provisioner::controller::CLAIM_FINALIZER;
 use rbdkit::rados::Cluster;
 use rbdkit::rbd;
+use rbdkit::volume::quantity::MIB;
 
 use support::ceph::{PrivateCluster, POOL};
 use support::provisioner::{

@@ -21,11 +21,11 @@ use std::time::{Duration, Instant};
 use kube::api::ListParams;
 use serde_json::json;
 
-use rbdkit::k8s::quantity::{parse_bytes, MIB};
 use rbdkit::provisioner::controller::CLAIM_FINALIZER;
 use rbdkit::provisioner::pv::PV_FINALIZER;
 use rbdkit::rbd::{self, Image};
 use rbdkit::volume::ops::{owner_metadata, TEMP_SUFFIX};
+use rbdkit::volume::quantity::{parse_bytes, MIB};
 
 use support::provisioner::{claim_name, eventually, pv_bytes, Env};
 

@@ -10,10 +10,10 @@ use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::api::PostParams;
 use serde_json::{json, Value};
 
-use rbdkit::k8s::quantity::MIB;
 use rbdkit::provisioner::controller::PV_FLATTEN_ANNOTATION;
 use rbdkit::provisioner::source::CLONE_FINALIZER;
 use rbdkit::rbd::{self, Image};
+use rbdkit::volume::quantity::MIB;
 
 use support::data::pattern;
 use support::k8s::ControlPlane;

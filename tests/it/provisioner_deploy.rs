@@ -3,7 +3,6 @@
 //! provision / expand / delete cycle against the real control plane.
 use crate::support;
 
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::Parser;
@@ -23,48 +22,13 @@ use rbdkit::rbd::Image;
 use rbdkit::volume::clusters::ClustersConfig;
 use rbdkit::volume::params::ClassParams;
 
+use support::manifests::{manifests, one, typed};
 use support::provisioner::{eventually, Env, WAIT};
 
 #[derive(Parser)]
 struct ArgsOnly {
     #[command(flatten)]
     args: ProvisionerArgs,
-}
-
-fn deploy_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy")
-}
-
-/// Every document of every YAML file under deploy/, with its file.
-fn manifests() -> Vec<(String, Value)> {
-    let mut out = Vec::new();
-    for dir in [deploy_dir(), deploy_dir().join("example")] {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
-            .collect();
-        files.sort();
-        for f in files {
-            let text = std::fs::read_to_string(&f).unwrap();
-            let docs: Vec<Value> = serde_saphyr::from_multiple(&text)
-                .unwrap_or_else(|e| panic!("{}: {e}", f.display()));
-            for d in docs.into_iter().filter(|d| !d.is_null()) {
-                out.push((f.display().to_string(), d));
-            }
-        }
-    }
-    out
-}
-
-fn typed<T: DeserializeOwned>(file: &str, v: &Value) -> T {
-    serde_json::from_value(v.clone()).unwrap_or_else(|e| panic!("{file}: {e}\n{v:#}"))
-}
-
-fn one<T: DeserializeOwned>(docs: &[(String, Value)], kind: &str) -> T {
-    let found: Vec<&(String, Value)> = docs.iter().filter(|(_, d)| d["kind"] == kind).collect();
-    assert_eq!(found.len(), 1, "expected one {kind}");
-    typed(&found[0].0, &found[0].1)
 }
 
 #[test]

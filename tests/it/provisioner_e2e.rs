@@ -11,9 +11,9 @@ use k8s_openapi::api::coordination::v1::Lease;
 use kube::Api;
 use serde_json::json;
 
-use rbdkit::k8s::quantity::MIB;
 use rbdkit::provisioner::pv::{PROVISIONED_BY, PV_FINALIZER};
 use rbdkit::rbd::{self, Features, Image};
+use rbdkit::volume::quantity::MIB;
 use rbdkit::volume::VolumeId;
 
 use support::provisioner::{claim_name, eventually, http_get, stays, storage, Env, WAIT};

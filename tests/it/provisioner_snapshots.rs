@@ -15,6 +15,7 @@ use rbdkit::volume::{SnapshotId, VolumeId};
 
 use support::data::pattern;
 use support::k8s::ControlPlane;
+use support::manifests::{deploy_dir, parse_docs};
 use support::provisioner::{eventually, Env, WAIT};
 use support::snapshots::{self as snaps, SnapshotController};
 
@@ -407,12 +408,11 @@ async fn apply(client: &kube::Client, doc: &serde_json::Value) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deploy_rbac_and_example_class_are_enough_for_snapshots() {
-    let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy");
+    let deploy = deploy_dir();
     let (env, class) = setup("snaprbac").await;
     for file in ["namespace.yaml", "rbac.yaml"] {
         let text = std::fs::read_to_string(deploy.join(file)).unwrap();
-        let docs: Vec<serde_json::Value> = serde_saphyr::from_multiple(&text).unwrap();
-        for d in docs.iter().filter(|d| !d.is_null()) {
+        for d in &parse_docs(file, &text) {
             apply(&env.client, d).await;
         }
     }

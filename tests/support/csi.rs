@@ -7,14 +7,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hyper_util::rt::TokioIo;
 use rbdkit::csi::proto::{
     controller_client::ControllerClient, identity_client::IdentityClient, node_client::NodeClient,
     volume_capability, CapacityRange, CreateVolumeRequest, NodeStageVolumeRequest,
     VolumeCapability,
 };
 use serde_json::json;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 use super::ceph::{
     node_key, provisioner_key, unique, TestCluster, TestNs, NODE_USER, PROVISIONER_USER,
@@ -25,30 +24,9 @@ pub type Daemon = super::process::Proc;
 
 /// A channel over a unix socket, retried until the server listens.
 pub async fn channel(socket: &Path) -> Channel {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let path = socket.to_owned();
-        let attempt = Endpoint::try_from("http://[::1]:50051")
-            .expect("endpoint")
-            .connect_timeout(Duration::from_secs(5))
-            .connect_with_connector(tower::service_fn(move |_| {
-                let path = path.clone();
-                async move {
-                    Ok::<_, std::io::Error>(TokioIo::new(
-                        tokio::net::UnixStream::connect(path).await?,
-                    ))
-                }
-            }))
-            .await;
-        match attempt {
-            Ok(ch) => return ch,
-            Err(e) if Instant::now() < deadline => {
-                let _ = e;
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => panic!("cannot reach {}: {e}", socket.display()),
-        }
-    }
+    rbdkit::csi::client::unix_channel(socket, Duration::from_secs(30), None)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach {}: {e}", socket.display()))
 }
 
 /// One CSI world: a clusters config pointing at the test cluster (in a

@@ -25,9 +25,9 @@ use kube::Api;
 use serde::de::DeserializeOwned;
 use serde_json::json;
 
-use rbdkit::k8s::quantity::parse_bytes;
 use rbdkit::provisioner::ProvisionerArgs;
 use rbdkit::rbd;
+use rbdkit::volume::quantity::parse_bytes;
 
 use super::ceph::{TestCluster, TestNs, POOL};
 use super::k8s::ControlPlane;

@@ -1,5 +1,8 @@
 //! Logging through `tracing`: JSON lines for log collectors, or text for
 //! people. The level comes from `RUST_LOG` (default `info`).
+//!
+//! Shared by every daemon: the provisioner, the CSI server and the FUSE
+//! mapper.
 
 use std::str::FromStr;
 
