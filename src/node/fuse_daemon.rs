@@ -216,6 +216,9 @@ pub struct FuseMapperArgs {
     pub worker: bool,
 }
 
+/// How long a detach waits for a device that is held open to be let go
+/// before it answers EBUSY.
+const BUSY_GRACE: Duration = Duration::from_secs(2);
 const ROOT_INO: u64 = 1;
 /// How long detach waits for the kernel to let go of the file.
 const UNBIND_TIMEOUT: Duration = Duration::from_secs(10);
@@ -1389,7 +1392,11 @@ impl Daemon {
             if let Some(dev) = &rec.device {
                 let dev = Path::new(dev);
                 if loopdev::backing_file(dev).as_deref() == Some(file.as_path()) {
-                    let busy = loopdev::in_use(dev);
+                    let busy = if force {
+                        loopdev::in_use(dev)
+                    } else {
+                        loopdev::in_use_for(dev, BUSY_GRACE)
+                    };
                     if busy && !force {
                         return Err(Error::with_kind(
                             ErrorKind::Busy,

@@ -367,3 +367,17 @@ pub fn in_use(dev: &Path) -> bool {
         .open(dev);
     matches!(r, Err(e) if e.raw_os_error() == Some(libc::EBUSY))
 }
+
+/// [`in_use`] still after `within`, looked at every 50 ms: a holder that is
+/// closing (a filesystem tool that just exited, a probe woken by the
+/// device's change event) is not taken for a mount.
+pub fn in_use_for(dev: &Path, within: std::time::Duration) -> bool {
+    let deadline = std::time::Instant::now() + within;
+    while in_use(dev) {
+        if std::time::Instant::now() >= deadline {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    false
+}
