@@ -25,7 +25,14 @@ pub type Daemon = super::process::Proc;
 
 /// A channel over a unix socket, retried until the server listens.
 pub async fn channel(socket: &Path) -> Channel {
-    let deadline = Instant::now() + Duration::from_secs(30);
+    // A server starting under an emulated CPU (the kernel guest, TCG) on a
+    // busy host can take longer than 30 s to listen.
+    let bound = if std::env::var_os("RBDKIT_IN_GUEST").is_some() {
+        120
+    } else {
+        30
+    };
+    let deadline = Instant::now() + Duration::from_secs(bound);
     loop {
         let path = socket.to_owned();
         let attempt = Endpoint::try_from("http://[::1]:50051")
