@@ -126,6 +126,11 @@ fn debian_6_1_guest() {
     // libtest exits 101 when a test failed; anything else is the guest's.
     let failed_as_known =
         got.iter().filter(|(_, o)| o == "FAILED").count() == KNOWN_DEFECTS.len() && rc == 101;
+    let key_hits = std::fs::read_to_string(out.join("key-hits")).unwrap_or_default();
+    assert!(
+        key_hits.trim().is_empty(),
+        "a cephx key of the guest's cluster is in: {key_hits}"
+    );
     assert!(
         wrong.is_empty() && (rc == 0 || failed_as_known),
         "kernel-vm exit {rc}; {}\n--- guest output (last 150 lines of {}) ---\n{}",
