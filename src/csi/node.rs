@@ -260,15 +260,21 @@ impl NodeService {
         Ok(m)
     }
 
-    /// The fsid of the volume's cluster (a local call once connected).
-    async fn cluster_fsid(
+    /// The fsid of the volume's cluster and the image's features: which
+    /// mapping is the volume's, and what a mapper must support to map it.
+    async fn image_facts(
         &self,
         vol: &VolumeId,
         secrets: &HashMap<String, String>,
-    ) -> Result<String, Status> {
+    ) -> Result<(String, crate::rbd::Features), Status> {
         let conn = self.driver.connect(&vol.cluster_id, secrets).await?;
+        let v = vol.clone();
         self.driver
-            .ceph(&conn, |c, _m| Ok(c.fsid()?))
+            .ceph(&conn, move |c, _m| {
+                let io = c.ioctx_ns(&v.pool, &v.rados_namespace)?;
+                let features = crate::rbd::Image::open_read_only(&io, &v.image)?.features()?;
+                Ok((c.fsid()?, features))
+            })
             .await
             .map_err(|e| match e {
                 VolumeError::Ceph(e) => status_of(&e),
@@ -798,7 +804,7 @@ impl Node for NodeService {
         let info = self.driver.cluster(&vol.cluster_id)?;
         self.release_pending(&vol.cluster_id, &secrets.0, &id).await;
 
-        let fsid = self.cluster_fsid(&vol, &secrets.0).await?;
+        let (fsid, features) = self.image_facts(&vol, &secrets.0).await?;
         let mut already_mapped = None;
         for m in &candidates {
             m.adopt(&id, &fsid);
@@ -905,6 +911,7 @@ impl Node for NodeService {
                         namespace: vol.rados_namespace.clone(),
                         image: vol.image.clone(),
                         cluster_fsid: Some(fsid.clone()),
+                        features: Some(features),
                         snapshot: None,
                         read_only,
                         options,

@@ -314,15 +314,6 @@ impl KrbdMapper {
         Ok(path)
     }
 
-    /// Maps like [`Mapper::map`], after refusing `features` the kernel
-    /// lacks (the node plugin has them from the volume context).
-    pub fn map_checked(&self, spec: &MapSpec, features: Option<Features>) -> Result<PathBuf> {
-        if let Some(f) = features {
-            self.check_features(f)?;
-        }
-        self.map(spec)
-    }
-
     fn do_map(&self, spec: &MapSpec, remembered: &mut HashMap<String, Known>) -> Result<PathBuf> {
         let snap = spec.snapshot.as_deref().unwrap_or(HEAD);
         let object = image_spec(
@@ -549,6 +540,9 @@ impl Mapper for KrbdMapper {
     }
 
     fn map(&self, spec: &MapSpec) -> Result<PathBuf> {
+        if let Some(f) = spec.features {
+            self.check_features(f)?;
+        }
         let mut remembered = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         self.do_map(spec, &mut remembered)
     }
@@ -796,6 +790,7 @@ mod tests {
             namespace: "ns1".into(),
             image: "vol-1".into(),
             cluster_fsid: None,
+            features: None,
             snapshot: None,
             read_only: false,
             options: vec!["lock_on_read".into(), "queue_depth=128".into()],
@@ -992,10 +987,15 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::NotSupported);
         let msg = e.to_string();
         assert!(msg.contains("image features journaling "), "{msg}");
-        let e = mapper
-            .map_checked(&spec("admin"), Some(Features::JOURNALING))
-            .unwrap_err();
+        let mut s = spec("admin");
+        s.features = Some(Features::JOURNALING);
+        let e = mapper.map(&s).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::NotSupported);
+        // Refused before anything reached the kernel.
+        assert_eq!(
+            std::fs::read_to_string(fake.bus().join("add_single_major")).unwrap(),
+            ""
+        );
         std::fs::remove_file(fake.bus().join("supported_features")).unwrap();
         assert_eq!(mapper.supported_features().unwrap(), None);
         mapper.check_features(Features::JOURNALING).unwrap();

@@ -43,6 +43,9 @@ pub struct MapSpec {
     /// can hold images of the same pool and name (a mirrored pair does), and
     /// the kernel tells their mappings apart only by it.
     pub cluster_fsid: Option<String>,
+    /// The image's features, when known: a mapper that cannot serve one
+    /// refuses the map naming it (krbd: the kernel's `supported_features`).
+    pub features: Option<crate::rbd::Features>,
     /// Map this snapshot instead of the head (always read-only).
     pub snapshot: Option<String>,
     /// Map read-only.

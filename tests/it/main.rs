@@ -19,6 +19,7 @@ mod gc;
 mod helm_chart;
 mod k8s_control_plane;
 mod k8s_events;
+mod kernel_vm;
 mod migrate;
 mod node_e2e;
 mod node_fuse;

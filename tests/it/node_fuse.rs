@@ -227,6 +227,7 @@ fn spec(ns: &TestNs, volume_id: &str, image: &str) -> MapSpec {
         namespace: ns.name.clone(),
         image: image.into(),
         cluster_fsid: None,
+        features: None,
         snapshot: None,
         read_only: false,
         options: Vec::new(),

@@ -257,14 +257,23 @@ async fn census(env: &Env, want: &Want<'_>) -> Result<Census, String> {
             ));
         }
         if want.expanded.contains(&name) {
-            let cap = status
-                .capacity
+            // The controller's part of the resize is done; Block waits for
+            // the node too (NodeExpandVolume grows rbdkit-fuse's loop
+            // device), and this test runs no node.
+            let allocated = status
+                .allocated_resources
                 .as_ref()
                 .and_then(|c| c.get("storage"))
                 .and_then(|q| parse_bytes(&q.0).ok());
-            if cap != Some(16 * MIB) {
-                c.other
-                    .push(format!("claim {name}: capacity {cap:?}, not 16 MiB"));
+            let node_step = status
+                .allocated_resource_statuses
+                .as_ref()
+                .and_then(|s| s.get("storage"))
+                .cloned();
+            if allocated != Some(16 * MIB) || node_step.as_deref() != Some("NodeResizePending") {
+                c.other.push(format!(
+                    "claim {name}: allocated {allocated:?} ({node_step:?}), not 16 MiB waiting for the node"
+                ));
             }
         }
     }

@@ -24,7 +24,14 @@ pub type Daemon = super::process::Proc;
 
 /// A channel over a unix socket, retried until the server listens.
 pub async fn channel(socket: &Path) -> Channel {
-    rbdkit::csi::client::unix_channel(socket, Duration::from_secs(30), None)
+    // A server starting under an emulated CPU (the kernel guest, TCG) on a
+    // busy host can take longer than 30 s to listen.
+    let bound = if std::env::var_os("RBDKIT_IN_GUEST").is_some() {
+        120
+    } else {
+        30
+    };
+    rbdkit::csi::client::unix_channel(socket, Duration::from_secs(bound), None)
         .await
         .unwrap_or_else(|e| panic!("cannot reach {}: {e}", socket.display()))
 }

@@ -1,0 +1,772 @@
+//! The node side on a real kernel: Debian 12's 6.1 (rbd.ko, FUSE without
+//! `FUSE_HAS_RESEND`) in a QEMU guest with a one-node Ceph of its own
+//! (`scripts/kernel-vm`). This machine's kernel has no rbd driver, so krbd
+//! is tested here against the real `/sys/bus/rbd`; `csi_krbd.rs` keeps the
+//! fake-sysfs test of the add and remove strings.
+//!
+//! [`debian_6_1_guest`] boots the guest once and runs this same test binary
+//! in it, with the tests of [`GUEST_TESTS`]: the [`guest`] module's tests
+//! (ignored on the host, where there is no rbd driver) and the userspace
+//! mapper's worker-restart tests of `node_fuse.rs`, as they are.
+
+use crate::support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// What the guest runs, in this order (one vCPU: one at a time).
+const GUEST_TESTS: &[&str] = &[
+    "kernel_vm::guest::krbd_stage_publish_unpublish_unstage_ext4_and_xfs",
+    "kernel_vm::guest::krbd_kill9_of_the_node_plugin_leaves_mapping_and_mount",
+    "kernel_vm::guest::krbd_online_expansion_of_ext4_and_xfs",
+    "kernel_vm::guest::krbd_ms_mode_crc_on_the_v2_port_and_map_options",
+    "kernel_vm::guest::krbd_probe_is_ready_with_krbd_the_default",
+    "kernel_vm::guest::krbd_one_writer_across_two_node_plugins",
+    "kernel_vm::guest::krbd_refuses_image_features_the_kernel_lacks_by_name",
+    "node_fuse::worker_kill9_with_writes_and_fsyncs_in_flight",
+    "node_fuse::mounted_filesystem_survives_kill9_of_the_worker",
+];
+
+/// Guest tests that fail for a known defect that is being fixed elsewhere:
+/// they must fail, and the run fails once one passes (then drop it here).
+const KNOWN_DEFECTS: &[(&str, &str)] = &[];
+
+/// The outcome of each test in libtest's output (`test NAME ... ok`).
+fn outcomes(log: &str) -> Vec<(String, String)> {
+    log.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("test ")?;
+            let (name, outcome) = rest.split_once(" ... ")?;
+            Some((name.to_owned(), outcome.trim().to_owned()))
+        })
+        .collect()
+}
+
+/// Boots the guest, runs [`GUEST_TESTS`] in it, and checks each outcome.
+/// Fails (never skips) when QEMU or the guest image cannot be had.
+#[test]
+fn debian_6_1_guest() {
+    let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let me = std::env::current_exe().expect("current_exe");
+    // The build's output folder: the test binary, rbdkit (CARGO_BIN_EXE_*).
+    let bins = Path::new(env!("CARGO_BIN_EXE_rbdkit"))
+        .parent()
+        .expect("bin dir")
+        .to_owned();
+    assert!(
+        me.starts_with(&bins),
+        "{} is not under {}",
+        me.display(),
+        bins.display()
+    );
+    let out = match support::artifacts::dir() {
+        Some(d) => d.join("kernel-vm"),
+        None => PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("kernel-vm"),
+    };
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).unwrap();
+    let mut cmd = Command::new(repo.join("scripts/kernel-vm"));
+    cmd.arg("run")
+        .arg("--out")
+        .arg(&out)
+        .arg("--share")
+        .arg(&bins)
+        .arg("--mkdir")
+        .arg(env!("CARGO_TARGET_TMPDIR"))
+        .arg("--")
+        .arg(&me)
+        .args([
+            "--include-ignored",
+            "--exact",
+            "--test-threads=1",
+            "--show-output",
+        ])
+        .args(GUEST_TESTS);
+    let t0 = std::time::Instant::now();
+    let status = cmd.status().expect("run scripts/kernel-vm");
+    let log = std::fs::read_to_string(out.join("guest.log")).unwrap_or_default();
+    let got = outcomes(&log);
+    eprintln!(
+        "kernel-vm: {:.0} s wall; guest output in {}",
+        t0.elapsed().as_secs_f64(),
+        out.display()
+    );
+    for (name, outcome) in &got {
+        eprintln!("  guest: {name} ... {outcome}");
+    }
+    let mut wrong = Vec::new();
+    for want in GUEST_TESTS {
+        let outcome = got.iter().find(|(n, _)| n == want).map(|(_, o)| o.as_str());
+        let known = KNOWN_DEFECTS.iter().find(|(n, _)| n == want);
+        match (outcome, known) {
+            (Some("ok"), None) | (Some("FAILED"), Some(_)) => {}
+            (Some("ok"), Some((_, why))) => wrong.push(format!(
+                "{want} passes now: drop it from KNOWN_DEFECTS ({why})"
+            )),
+            (o, _) => wrong.push(format!("{want}: {}", o.unwrap_or("did not run"))),
+        }
+    }
+    let rc = status.code().unwrap_or(-1);
+    assert!(
+        !got.is_empty() || rc == 0,
+        "scripts/kernel-vm failed before any guest test ran (exit {rc}: 90 Ceph did not start, \
+         92 the guest ended without a result; other: its message above, e.g. no QEMU or no image); \
+         console and logs in {}",
+        out.display()
+    );
+    // libtest exits 101 when a test failed; anything else is the guest's.
+    let failed_as_known =
+        got.iter().filter(|(_, o)| o == "FAILED").count() == KNOWN_DEFECTS.len() && rc == 101;
+    let key_hits = std::fs::read_to_string(out.join("key-hits")).unwrap_or_default();
+    assert!(
+        key_hits.trim().is_empty(),
+        "a cephx key of the guest's cluster is in: {key_hits}"
+    );
+    assert!(
+        wrong.is_empty() && (rc == 0 || failed_as_known),
+        "kernel-vm exit {rc}; {}\n--- guest output (last 150 lines of {}) ---\n{}",
+        wrong.join("; "),
+        out.join("guest.log").display(),
+        support::process::tail(&out.join("guest.log"), 150)
+    );
+}
+
+/// The tests that need the guest's kernel: ignored on the host, run by
+/// [`debian_6_1_guest`] in the guest with `--include-ignored`.
+mod guest {
+    use crate::support;
+
+    use std::collections::HashMap;
+    use std::io::{Read, Seek, SeekFrom, Write};
+    use std::path::{Path, PathBuf};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use rbdkit::csi::node::VOLUME;
+    use rbdkit::csi::proto::{
+        identity_client::IdentityClient, node_client::NodeClient, CapacityRange,
+        ControllerExpandVolumeRequest, CreateVolumeRequest, DeleteVolumeRequest,
+        NodeExpandVolumeRequest, NodePublishVolumeRequest, NodeStageVolumeRequest,
+        NodeUnpublishVolumeRequest, NodeUnstageVolumeRequest, ProbeRequest, VolumeCapability,
+    };
+    use serde_json::json;
+    use support::ceph::{unique, TestCluster, TestNs};
+    use support::csi::{block_cap, channel, mount_cap, CsiEnv, Mode};
+    use support::process::Proc;
+
+    const MIB: i64 = 1 << 20;
+    const SYS_RBD: &str = "/sys/bus/rbd";
+
+    /// Panics unless this runs in the kernel guest.
+    fn require_guest() {
+        assert!(
+            std::env::var_os("RBDKIT_IN_GUEST").is_some(),
+            "this test needs the kernel guest: kernel_vm::debian_6_1_guest runs it there"
+        );
+        assert!(
+            Path::new(SYS_RBD).exists(),
+            "no {SYS_RBD}: rbd.ko not loaded"
+        );
+    }
+
+    /// The mon's v1 address as the kernel takes it (`ip:port`, no `v1:`).
+    fn mon_v1() -> String {
+        let host = TestCluster::get().conf_value("mon host").expect("mon host");
+        host.trim_start_matches("v1:").to_owned()
+    }
+
+    /// The mon's msgr2 address (the guest's cluster binds v2 too).
+    fn mon_v2() -> String {
+        let out = support::ceph::mon_json(json!({"prefix": "mon dump", "format": "json"}))
+            .expect("mon dump");
+        let dump: serde_json::Value = serde_json::from_slice(&out).expect("mon dump json");
+        dump["mons"][0]["public_addrs"]["addrvec"]
+            .as_array()
+            .expect("addrvec")
+            .iter()
+            .find(|a| a["type"] == "v2")
+            .and_then(|a| a["addr"].as_str())
+            .expect("a v2 address: the guest's cluster binds msgr2")
+            .to_owned()
+    }
+
+    /// One krbd device in sysfs.
+    #[derive(Debug)]
+    struct Dev {
+        id: String,
+        image: String,
+    }
+
+    /// The kernel's rbd devices in RADOS namespace `ns`.
+    fn devices_in(ns: &str) -> Vec<Dev> {
+        let mut v = Vec::new();
+        for e in std::fs::read_dir(format!("{SYS_RBD}/devices")).unwrap() {
+            let p = e.unwrap().path();
+            let attr = |n: &str| {
+                std::fs::read_to_string(p.join(n))
+                    .unwrap_or_default()
+                    .trim()
+                    .to_owned()
+            };
+            if attr("pool_ns") == ns {
+                v.push(Dev {
+                    id: p.file_name().unwrap().to_string_lossy().into_owned(),
+                    image: attr("name"),
+                });
+            }
+        }
+        v
+    }
+
+    fn sys_attr(dev: &Dev, name: &str) -> String {
+        std::fs::read_to_string(format!("{SYS_RBD}/devices/{}/{name}", dev.id))
+            .unwrap_or_else(|e| panic!("rbd{} {name}: {e}", dev.id))
+            .trim()
+            .to_owned()
+    }
+
+    fn mount_of(path: &Path) -> Option<rbdkit::node::mount::MountInfo> {
+        rbdkit::node::mount::mountinfo()
+            .unwrap()
+            .into_iter()
+            .rev()
+            .find(|m| m.mount_point == path)
+    }
+
+    fn write_synced(path: &Path, data: &[u8]) {
+        let mut f = std::fs::File::create(path).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+        f.write_all(data).unwrap();
+        f.sync_all().unwrap();
+    }
+
+    /// `rbdkit csi --mode node` as node `node_id`, its files under `dir`.
+    fn spawn_node(dir: &Path, node_id: &str, config: &Path) -> (Proc, PathBuf) {
+        let socket = dir.join(format!("csi-{node_id}.sock"));
+        let args = vec![
+            "csi".into(),
+            "--mode".into(),
+            "node".into(),
+            "--endpoint".into(),
+            format!("unix://{}", socket.display()),
+            "--node-id".into(),
+            node_id.into(),
+            "--clusters-config".into(),
+            config.display().to_string(),
+            "--state-dir".into(),
+            dir.join(format!("state-{node_id}")).display().to_string(),
+            "--mapper-socket".into(),
+            dir.join("mapper.sock").display().to_string(),
+        ];
+        let log = dir.join(format!("csi-{node_id}.log"));
+        (
+            Proc::rbdkit(&format!("rbdkit csi {node_id}"), args, log),
+            socket,
+        )
+    }
+
+    /// The controller (through `CsiEnv`) and `rbdkit csi --mode node` with
+    /// its default mapper, which is krbd where `/sys/bus/rbd` exists.
+    struct World {
+        ns: Arc<TestNs>,
+        ctl: CsiEnv,
+        node: Proc,
+        socket: PathBuf,
+        dir: tempfile::TempDir,
+    }
+
+    impl World {
+        async fn new(test: &str, monitor: String) -> World {
+            require_guest();
+            let ns = Arc::new(TestNs::new(test));
+            let cluster_id = unique(test);
+            let ctl = CsiEnv::with_ns(
+                Arc::clone(&ns),
+                cluster_id.clone(),
+                Mode::Controller,
+                "ctl",
+                &[],
+            )
+            .await;
+            let dir = tempfile::Builder::new()
+                .prefix("kvm-node-")
+                .tempdir_in("/tmp")
+                .unwrap();
+            // The monitors as a ceph-csi config.json lists them: ip:port.
+            let config = json!([{
+                "clusterID": cluster_id,
+                "monitors": [monitor],
+                "rbd": {"radosNamespace": ns.name},
+            }]);
+            let config_path = dir.path().join("config.json");
+            std::fs::write(&config_path, config.to_string()).unwrap();
+            let (node, socket) = spawn_node(dir.path(), "guest", &config_path);
+            World {
+                ns,
+                ctl,
+                node,
+                socket,
+                dir,
+            }
+        }
+
+        async fn node(&self) -> NodeClient<tonic::transport::Channel> {
+            NodeClient::new(channel(&self.socket).await)
+        }
+
+        /// A staging folder and a publish target (its parent made, as kubelet does).
+        fn paths(&self, name: &str) -> (PathBuf, PathBuf) {
+            let staging = self.dir.path().join(format!("staging-{name}"));
+            let parent = self.dir.path().join(format!("pod-{name}"));
+            std::fs::create_dir_all(&staging).unwrap();
+            std::fs::create_dir_all(&parent).unwrap();
+            (staging, parent.join("vol"))
+        }
+
+        fn stage_req(
+            &self,
+            id: &str,
+            staging: &Path,
+            cap: VolumeCapability,
+            ctx: &[(&str, &str)],
+        ) -> NodeStageVolumeRequest {
+            let mut r = self.ctl.stage_request(id, staging, cap);
+            r.volume_context = ctx
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<HashMap<_, _>>();
+            r
+        }
+
+        async fn stage(
+            &self,
+            id: &str,
+            staging: &Path,
+            cap: VolumeCapability,
+            ctx: &[(&str, &str)],
+        ) {
+            let t0 = Instant::now();
+            self.node()
+                .await
+                .node_stage_volume(self.stage_req(id, staging, cap, ctx))
+                .await
+                .unwrap_or_else(|e| panic!("NodeStageVolume: {e}\n{}", self.node.log_tail(30)));
+            eprintln!("NodeStageVolume {id}: {:?}", t0.elapsed());
+        }
+
+        async fn publish(&self, id: &str, staging: &Path, target: &Path, cap: VolumeCapability) {
+            self.node()
+                .await
+                .node_publish_volume(NodePublishVolumeRequest {
+                    volume_id: id.to_owned(),
+                    staging_target_path: staging.display().to_string(),
+                    target_path: target.display().to_string(),
+                    volume_capability: Some(cap),
+                    ..Default::default()
+                })
+                .await
+                .unwrap_or_else(|e| panic!("NodePublishVolume: {e}\n{}", self.node.log_tail(30)));
+        }
+
+        async fn unpublish(&self, id: &str, target: &Path) {
+            self.node()
+                .await
+                .node_unpublish_volume(NodeUnpublishVolumeRequest {
+                    volume_id: id.to_owned(),
+                    target_path: target.display().to_string(),
+                })
+                .await
+                .unwrap_or_else(|e| panic!("NodeUnpublishVolume: {e}\n{}", self.node.log_tail(30)));
+        }
+
+        async fn unstage(&self, id: &str, staging: &Path) {
+            self.node()
+                .await
+                .node_unstage_volume(NodeUnstageVolumeRequest {
+                    volume_id: id.to_owned(),
+                    staging_target_path: staging.display().to_string(),
+                })
+                .await
+                .unwrap_or_else(|e| panic!("NodeUnstageVolume: {e}\n{}", self.node.log_tail(30)));
+        }
+
+        async fn delete(&self, id: &str) {
+            self.ctl
+                .controller()
+                .await
+                .delete_volume(DeleteVolumeRequest {
+                    volume_id: id.to_owned(),
+                    secrets: self.ctl.secrets(),
+                })
+                .await
+                .unwrap_or_else(|e| panic!("DeleteVolume: {e}"));
+        }
+
+        /// The one krbd device of this world.
+        fn device(&self) -> Dev {
+            let mut d = devices_in(&self.ns.name);
+            assert_eq!(d.len(), 1, "krbd devices in {}: {d:?}", self.ns.name);
+            d.remove(0)
+        }
+
+        /// The node plugin's log has no key in it.
+        fn assert_no_key_in_log(&self) {
+            let log = self.node.log_text();
+            for k in [support::ceph::node_key(), support::ceph::provisioner_key()] {
+                assert!(!log.contains(&k), "a cephx key in the node plugin's log");
+            }
+        }
+    }
+
+    impl Drop for World {
+        fn drop(&mut self) {
+            // Leave no mount or mapping behind, even after a failure.
+            self.node.kill9();
+            let root = self.dir.path().to_owned();
+            let mut mounts: Vec<PathBuf> = rbdkit::node::mount::mountinfo()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|m| m.mount_point)
+                .filter(|p| p.starts_with(&root))
+                .collect();
+            mounts.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+            for p in mounts {
+                let _ = rbdkit::node::mount::ensure_unmounted(&p);
+            }
+            for d in devices_in(&self.ns.name) {
+                let _ = std::fs::write(
+                    format!("{SYS_RBD}/remove_single_major"),
+                    format!("{} force", d.id),
+                );
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    #[ignore = "needs the kernel guest: kernel_vm::debian_6_1_guest runs it there"]
+    async fn krbd_stage_publish_unpublish_unstage_ext4_and_xfs() {
+        let w = World::new("kvm-fs", mon_v1()).await;
+        // xfsprogs 6.1 makes no filesystem under 300 MB.
+        for (fs, size) in [("ext4", 64 * MIB), ("xfs", 320 * MIB)] {
+            let id = w
+                .ctl
+                .create_volume(&format!("pvc-{fs}"), size, mount_cap(fs))
+                .await;
+            let (staging, target) = w.paths(fs);
+            w.stage(&id, &staging, mount_cap(fs), &[]).await;
+            let dev = w.device();
+            let vol = rbdkit::volume::VolumeId::parse(&id).unwrap();
+            assert_eq!(dev.image, vol.image);
+            let m = mount_of(&staging.join(VOLUME)).expect("staging mounted");
+            assert_eq!(m.source, format!("/dev/rbd{}", dev.id), "{m:?}");
+            assert_eq!(m.fstype, fs);
+            assert_eq!(sys_attr(&dev, "size"), size.to_string());
+            w.publish(&id, &staging, &target, mount_cap(fs)).await;
+            let data = support::data::pattern(7, 3 << 20);
+            write_synced(&target.join("f"), &data);
+            w.unpublish(&id, &target).await;
+            w.unstage(&id, &staging).await;
+            assert!(mount_of(&staging.join(VOLUME)).is_none() && mount_of(&target).is_none());
+            assert!(
+                devices_in(&w.ns.name).is_empty(),
+                "NodeUnstageVolume left the krbd device"
+            );
+            // A new mapping of the image has the file: it went to Ceph.
+            w.stage(&id, &staging, mount_cap(fs), &[]).await;
+            w.publish(&id, &staging, &target, mount_cap(fs)).await;
+            assert!(
+                std::fs::read(target.join("f")).unwrap() == data,
+                "{fs}: file differs after a new map"
+            );
+            w.unpublish(&id, &target).await;
+            w.unstage(&id, &staging).await;
+            assert!(devices_in(&w.ns.name).is_empty());
+            w.delete(&id).await;
+        }
+        w.assert_no_key_in_log();
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    #[ignore = "needs the kernel guest: kernel_vm::debian_6_1_guest runs it there"]
+    async fn krbd_kill9_of_the_node_plugin_leaves_mapping_and_mount() {
+        let mut w = World::new("kvm-kill", mon_v1()).await;
+        let id = w
+            .ctl
+            .create_volume("pvc-kill", 64 * MIB, mount_cap("ext4"))
+            .await;
+        let (staging, target) = w.paths("k");
+        w.stage(&id, &staging, mount_cap("ext4"), &[]).await;
+        w.publish(&id, &staging, &target, mount_cap("ext4")).await;
+        write_synced(&target.join("before"), b"before the kill");
+        let dev = w.device();
+        w.node.kill9();
+        // The kernel holds the mapping and the mount, not the plugin.
+        assert_eq!(w.device().id, dev.id);
+        assert!(mount_of(&staging.join(VOLUME)).is_some() && mount_of(&target).is_some());
+        write_synced(&target.join("after"), b"written with no plugin");
+        assert_eq!(
+            std::fs::read(target.join("before")).unwrap(),
+            b"before the kill"
+        );
+        // A restarted plugin carries on: the calls kubelet repeats, then teardown.
+        w.node.restart();
+        w.stage(&id, &staging, mount_cap("ext4"), &[]).await;
+        w.publish(&id, &staging, &target, mount_cap("ext4")).await;
+        assert_eq!(w.device().id, dev.id, "the restart mapped the image again");
+        w.unpublish(&id, &target).await;
+        w.unstage(&id, &staging).await;
+        assert!(devices_in(&w.ns.name).is_empty());
+        w.stage(&id, &staging, mount_cap("ext4"), &[]).await;
+        w.publish(&id, &staging, &target, mount_cap("ext4")).await;
+        assert_eq!(
+            std::fs::read(target.join("after")).unwrap(),
+            b"written with no plugin"
+        );
+        w.unpublish(&id, &target).await;
+        w.unstage(&id, &staging).await;
+        w.delete(&id).await;
+        w.assert_no_key_in_log();
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    #[ignore = "needs the kernel guest: kernel_vm::debian_6_1_guest runs it there"]
+    async fn krbd_online_expansion_of_ext4_and_xfs() {
+        let w = World::new("kvm-grow", mon_v1()).await;
+        // ext4's online resize needs CAP_SYS_RESOURCE, which the guest has
+        // and the host does not.
+        for (fs, from, to) in [("ext4", 64 * MIB, 160 * MIB), ("xfs", 320 * MIB, 480 * MIB)] {
+            let id = w
+                .ctl
+                .create_volume(&format!("pvc-grow-{fs}"), from, mount_cap(fs))
+                .await;
+            let (staging, target) = w.paths(&format!("g-{fs}"));
+            w.stage(&id, &staging, mount_cap(fs), &[]).await;
+            w.publish(&id, &staging, &target, mount_cap(fs)).await;
+            write_synced(&target.join("f"), b"kept across the growth");
+            let before = rbdkit::node::fs::stats(&target).unwrap().total_bytes;
+            let range = Some(CapacityRange {
+                required_bytes: to,
+                limit_bytes: 0,
+            });
+            w.ctl
+                .controller()
+                .await
+                .controller_expand_volume(ControllerExpandVolumeRequest {
+                    volume_id: id.clone(),
+                    capacity_range: range,
+                    secrets: w.ctl.secrets(),
+                    volume_capability: Some(mount_cap(fs)),
+                })
+                .await
+                .unwrap();
+            let resp = w
+                .node()
+                .await
+                .node_expand_volume(NodeExpandVolumeRequest {
+                    volume_id: id.clone(),
+                    volume_path: target.display().to_string(),
+                    capacity_range: range,
+                    staging_target_path: staging.display().to_string(),
+                    volume_capability: Some(mount_cap(fs)),
+                    secrets: Default::default(),
+                })
+                .await
+                .unwrap_or_else(|e| panic!("NodeExpandVolume: {e}\n{}", w.node.log_tail(30)))
+                .into_inner();
+            assert_eq!(resp.capacity_bytes, to);
+            assert_eq!(sys_attr(&w.device(), "size"), to.to_string());
+            let after = rbdkit::node::fs::stats(&target).unwrap().total_bytes;
+            assert!(
+                after as i64 > before as i64 + (to - from) / 2,
+                "{fs} mounted on krbd: df saw {before} then {after} bytes"
+            );
+            assert_eq!(
+                std::fs::read(target.join("f")).unwrap(),
+                b"kept across the growth"
+            );
+            w.unpublish(&id, &target).await;
+            w.unstage(&id, &staging).await;
+            w.delete(&id).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    #[ignore = "needs the kernel guest: kernel_vm::debian_6_1_guest runs it there"]
+    async fn krbd_ms_mode_crc_on_the_v2_port_and_map_options() {
+        // Only the v2 port is given: the kernel's default (legacy) messenger
+        // would time out there, ms_mode=crc talks msgr2.
+        let w = World::new("kvm-msgr2", mon_v2()).await;
+        let id = w
+            .ctl
+            .create_volume("pvc-msgr2", 32 * MIB, block_cap())
+            .await;
+        let (staging, target) = w.paths("b");
+        w.stage(
+            &id,
+            &staging,
+            block_cap(),
+            &[(
+                "mapOptions",
+                "krbd:ms_mode=crc,alloc_size=65536,queue_depth=64",
+            )],
+        )
+        .await;
+        let dev = w.device();
+        // config_info holds the add string (never printed: it names the key).
+        let info = sys_attr(&dev, "config_info");
+        assert!(
+            info.contains("ms_mode=crc"),
+            "ms_mode=crc not in rbd{}'s options",
+            dev.id
+        );
+        let q = |n: &str| {
+            std::fs::read_to_string(format!("/sys/block/rbd{}/queue/{n}", dev.id))
+                .unwrap()
+                .trim()
+                .to_owned()
+        };
+        assert_eq!(q("discard_granularity"), "65536", "alloc_size");
+        let tags =
+            std::fs::read_to_string(format!("/sys/block/rbd{}/mq/0/nr_tags", dev.id)).unwrap();
+        assert_eq!(tags.trim(), "64", "queue_depth");
+        w.publish(&id, &staging, &target, block_cap()).await;
+        let data = support::data::pattern(3, 1 << 20);
+        {
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&target)
+                .unwrap();
+            f.seek(SeekFrom::Start(4 << 20)).unwrap();
+            f.write_all(&data).unwrap();
+            f.sync_all().unwrap();
+        }
+        let mut back = vec![0u8; data.len()];
+        {
+            let mut f = std::fs::File::open(&target).unwrap();
+            f.seek(SeekFrom::Start(4 << 20)).unwrap();
+            f.read_exact(&mut back).unwrap();
+        }
+        assert!(back == data);
+        w.unpublish(&id, &target).await;
+        w.unstage(&id, &staging).await;
+        assert!(devices_in(&w.ns.name).is_empty());
+        w.delete(&id).await;
+        w.assert_no_key_in_log();
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    #[ignore = "needs the kernel guest: kernel_vm::debian_6_1_guest runs it there"]
+    async fn krbd_probe_is_ready_with_krbd_the_default() {
+        let w = World::new("kvm-probe", mon_v1()).await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let ready = IdentityClient::new(channel(&w.socket).await)
+                .probe(ProbeRequest {})
+                .await
+                .expect("Probe")
+                .into_inner()
+                .ready;
+            if ready == Some(true) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "Probe not ready after 20 s with krbd the default mapper ({ready:?}):\n{}",
+                w.node.log_tail(10)
+            );
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    #[ignore = "needs the kernel guest: kernel_vm::debian_6_1_guest runs it there"]
+    async fn krbd_refuses_image_features_the_kernel_lacks_by_name() {
+        let w = World::new("kvm-feat", mon_v1()).await;
+        let supported = std::fs::read_to_string(format!("{SYS_RBD}/supported_features")).unwrap();
+        eprintln!("6.1's krbd supported_features: {}", supported.trim());
+        let mut params = w.ctl.params();
+        params.insert(
+            "imageFeatures".into(),
+            "layering,exclusive-lock,journaling".into(),
+        );
+        let vol = w
+            .ctl
+            .controller()
+            .await
+            .create_volume(CreateVolumeRequest {
+                name: "pvc-journal".into(),
+                capacity_range: Some(CapacityRange {
+                    required_bytes: 32 * MIB,
+                    limit_bytes: 0,
+                }),
+                volume_capabilities: vec![block_cap()],
+                parameters: params,
+                secrets: w.ctl.secrets(),
+                ..Default::default()
+            })
+            .await
+            .expect("CreateVolume with journaling")
+            .into_inner()
+            .volume
+            .unwrap();
+        let (staging, _) = w.paths("j");
+        let mut req = w.ctl.stage_request(&vol.volume_id, &staging, block_cap());
+        req.volume_context = vol.volume_context.clone();
+        let err = w
+            .node()
+            .await
+            .node_stage_volume(req)
+            .await
+            .expect_err("a journaling image must not map on krbd");
+        assert!(
+            devices_in(&w.ns.name).is_empty(),
+            "a refused stage left a mapping"
+        );
+        w.delete(&vol.volume_id).await;
+        assert!(
+            err.message().contains("journaling"),
+            "the refusal does not name the feature: {:?}: {}",
+            err.code(),
+            err.message()
+        );
+    }
+
+    /// The single-writer guard with krbd: a second node plugin (another
+    /// node id, the same kernel) is refused a read-write stage of a volume
+    /// the first has staged, naming the lock, and maps nothing.
+    #[tokio::test(flavor = "multi_thread")]
+    #[ignore = "needs the kernel guest: kernel_vm::debian_6_1_guest runs it there"]
+    async fn krbd_one_writer_across_two_node_plugins() {
+        let w = World::new("kvm-rwo", mon_v1()).await;
+        let (mut other, other_sock) =
+            spawn_node(w.dir.path(), "other", &w.dir.path().join("config.json"));
+        let id = w
+            .ctl
+            .create_volume("pvc-rwo", 32 * MIB, mount_cap("ext4"))
+            .await;
+        let (staging, _) = w.paths("a");
+        let (staging_b, _) = w.paths("b");
+        w.stage(&id, &staging, mount_cap("ext4"), &[]).await;
+        let mut b = NodeClient::new(channel(&other_sock).await);
+        let err = b
+            .node_stage_volume(w.stage_req(&id, &staging_b, mount_cap("ext4"), &[]))
+            .await
+            .expect_err("a second writer must be refused");
+        assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err}");
+        assert!(err.message().contains("locked for staging"), "{err}");
+        assert_eq!(devices_in(&w.ns.name).len(), 1, "the refused stage mapped");
+        assert!(mount_of(&staging_b.join(VOLUME)).is_none());
+        w.unstage(&id, &staging).await;
+        b.node_stage_volume(w.stage_req(&id, &staging_b, mount_cap("ext4"), &[]))
+            .await
+            .unwrap_or_else(|e| panic!("stage on the other node after the unstage: {e}"));
+        b.node_unstage_volume(NodeUnstageVolumeRequest {
+            volume_id: id.clone(),
+            staging_target_path: staging_b.display().to_string(),
+        })
+        .await
+        .unwrap();
+        assert!(devices_in(&w.ns.name).is_empty());
+        other.kill9();
+        w.delete(&id).await;
+    }
+}
