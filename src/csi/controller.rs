@@ -75,7 +75,7 @@ fn volume_field(field: &str, id: &str) -> Result<VolumeId, Status> {
 /// A request's parameters, parsed by `parse`, with the map they were parsed
 /// from (for the CO's extra metadata). A bad one is INVALID_ARGUMENT, and
 /// the message names `class`, where the CO took the parameters from.
-fn class_params<P, E: std::fmt::Display>(
+pub(crate) fn class_params<P, E: std::fmt::Display>(
     parameters: &HashMap<String, String>,
     class: &str,
     parse: impl FnOnce(&BTreeMap<String, String>) -> Result<P, E>,
@@ -86,7 +86,7 @@ fn class_params<P, E: std::fmt::Display>(
     Ok((raw, params))
 }
 
-fn timestamp(t: SystemTime) -> prost_types::Timestamp {
+pub(crate) fn timestamp(t: SystemTime) -> prost_types::Timestamp {
     let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
     prost_types::Timestamp {
         seconds: d.as_secs() as i64,
@@ -94,7 +94,7 @@ fn timestamp(t: SystemTime) -> prost_types::Timestamp {
     }
 }
 
-fn csi_snapshot(info: &SnapshotInfo) -> Snapshot {
+pub(crate) fn csi_snapshot(info: &SnapshotInfo) -> Snapshot {
     Snapshot {
         size_bytes: info.size.min(i64::MAX as u64) as i64,
         snapshot_id: info.id.handle(),

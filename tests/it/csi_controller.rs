@@ -38,7 +38,7 @@ async fn identity_reports_the_plugin_and_probes_ceph() {
         .into_inner();
     let text = format!("{caps:?}");
     assert!(text.contains("VolumeExpansion"), "{text}");
-    assert_eq!(caps.capabilities.len(), 3, "{text}");
+    assert_eq!(caps.capabilities.len(), 4, "{text}");
     let probe = id.probe(ProbeRequest {}).await.unwrap().into_inner();
     assert_eq!(probe.ready, Some(true));
 }
