@@ -274,3 +274,97 @@ async fn group_snapshot_is_one_instant_and_a_member_restores() {
     let left: Vec<String> = rbd::list_names(&env.rbd.ioctx).unwrap();
     assert!(left.is_empty(), "left behind: {left:?}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn group_snapshot_create_adopts_what_an_interrupted_run_left() {
+    let env = CsiEnv::new("csi-group-crash", Mode::Controller).await;
+    let mut group = GroupControllerClient::new(support::csi::channel(&env.socket).await);
+    let a = env.create_volume("pvc-ca", 8 * MIB, mount_cap("xfs")).await;
+    let b = env.create_volume("pvc-cb", 8 * MIB, mount_cap("xfs")).await;
+    let (va, vb) = (VolumeId::parse(&a).unwrap(), VolumeId::parse(&b).unwrap());
+    write(&env, &a, b"a instant");
+    write(&env, &b, b"b instant");
+    // As a run killed right after taking the RBD group snapshot, and while
+    // it was making member b under its temporary name, leaves things.
+    let io = &env.rbd.ioctx;
+    rbd::group_create(io, "gs-crash").unwrap();
+    rbd::group_image_add(io, "gs-crash", io, &va.image).unwrap();
+    rbd::group_image_add(io, "gs-crash", io, &vb.image).unwrap();
+    rbd::group_snap_create(io, "gs-crash", "rbdkit").unwrap();
+    let temp = format!("gs-crash-{}.rbdkit-new", vb.image);
+    rbd::create(io, &temp, MIB as u64, &Default::default()).unwrap();
+    write(&env, &a, b"a later!!");
+    write(&env, &b, b"b later!!");
+
+    let req = || CreateVolumeGroupSnapshotRequest {
+        name: "gs-crash".into(),
+        source_volume_ids: vec![a.clone(), b.clone()],
+        secrets: env.secrets(),
+        parameters: Default::default(),
+    };
+    let gs = group
+        .create_volume_group_snapshot(req())
+        .await
+        .unwrap()
+        .into_inner()
+        .group_snapshot
+        .unwrap();
+    // The re-run used the instant the first run took, not a new one.
+    for s in &gs.snapshots {
+        let sid = SnapshotId::parse(&s.snapshot_id).unwrap();
+        let img = Image::open_read_only(io, &sid.image).unwrap();
+        let mut buf = [0u8; 9];
+        img.read_exact(MIB as u64, &mut buf).unwrap();
+        let want: &[u8] = if s.source_volume_id == a {
+            b"a instant"
+        } else {
+            b"b instant"
+        };
+        assert_eq!(&buf[..], want);
+    }
+    assert!(rbd::group_list(io).unwrap().is_empty());
+    let names = rbd::list_names(io).unwrap();
+    assert!(!names.contains(&temp), "{names:?}");
+
+    // A member deleted on its own, the group snapshot gone: a re-run cannot
+    // make it again from the same instant, and says so.
+    let member_b = gs
+        .snapshots
+        .iter()
+        .find(|s| s.source_volume_id == b)
+        .unwrap()
+        .snapshot_id
+        .clone();
+    env.controller()
+        .await
+        .delete_snapshot(DeleteSnapshotRequest {
+            snapshot_id: member_b,
+            secrets: env.secrets(),
+        })
+        .await
+        .unwrap();
+    let e = group.create_volume_group_snapshot(req()).await.unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "{e}");
+    assert!(e.message().contains("take it again"), "{e}");
+
+    group
+        .delete_volume_group_snapshot(DeleteVolumeGroupSnapshotRequest {
+            group_snapshot_id: gs.group_snapshot_id.clone(),
+            snapshot_ids: Vec::new(),
+            secrets: env.secrets(),
+        })
+        .await
+        .unwrap();
+    for id in [a, b] {
+        env.controller()
+            .await
+            .delete_volume(DeleteVolumeRequest {
+                volume_id: id,
+                secrets: env.secrets(),
+            })
+            .await
+            .unwrap();
+    }
+    let left: Vec<String> = rbd::list_names(io).unwrap();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
