@@ -27,6 +27,12 @@ use crate::csi::proto::{
     ValidateVolumeCapabilitiesResponse, Volume, VolumeCapability,
 };
 use crate::csi::proto::{list_snapshots_response, volume_content_source, Snapshot};
+use crate::csi::proto::{
+    volume_health::VolumeHealthEntry, ControllerGetNodeInfoRequest, ControllerGetNodeInfoResponse,
+    ControllerGetVolumeHealthRequest, ControllerGetVolumeHealthResponse,
+    ControllerListVolumeHealthRequest, ControllerListVolumeHealthResponse, VolumeHealth,
+    VolumeHealthErrorType,
+};
 use crate::rbd::{self, Image};
 use crate::volume::ops::{self, Owner, VolumeError, META_PROVISIONER};
 use crate::volume::params::{
@@ -69,7 +75,7 @@ fn volume_field(field: &str, id: &str) -> Result<VolumeId, Status> {
 /// A request's parameters, parsed by `parse`, with the map they were parsed
 /// from (for the CO's extra metadata). A bad one is INVALID_ARGUMENT, and
 /// the message names `class`, where the CO took the parameters from.
-fn class_params<P, E: std::fmt::Display>(
+pub(crate) fn class_params<P, E: std::fmt::Display>(
     parameters: &HashMap<String, String>,
     class: &str,
     parse: impl FnOnce(&BTreeMap<String, String>) -> Result<P, E>,
@@ -80,7 +86,7 @@ fn class_params<P, E: std::fmt::Display>(
     Ok((raw, params))
 }
 
-fn timestamp(t: SystemTime) -> prost_types::Timestamp {
+pub(crate) fn timestamp(t: SystemTime) -> prost_types::Timestamp {
     let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
     prost_types::Timestamp {
         seconds: d.as_secs() as i64,
@@ -88,7 +94,7 @@ fn timestamp(t: SystemTime) -> prost_types::Timestamp {
     }
 }
 
-fn csi_snapshot(info: &SnapshotInfo) -> Snapshot {
+pub(crate) fn csi_snapshot(info: &SnapshotInfo) -> Snapshot {
     Snapshot {
         size_bytes: info.size.min(i64::MAX as u64) as i64,
         snapshot_id: info.id.handle(),
@@ -96,6 +102,7 @@ fn csi_snapshot(info: &SnapshotInfo) -> Snapshot {
         creation_time: Some(timestamp(info.created)),
         ready_to_use: info.ready,
         group_snapshot_id: String::new(),
+        accessible_topology: Vec::new(),
     }
 }
 
@@ -244,6 +251,114 @@ fn size_for(range: Option<&CapacityRange>) -> Result<(u64, u64, u64), Status> {
 
 fn to_hash(m: BTreeMap<String, String>) -> HashMap<String, String> {
     m.into_iter().collect()
+}
+
+impl ControllerService {
+    /// This driver's volumes in every pool it has seen, sorted by handle,
+    /// each with what is wrong with it when `health` is asked for.
+    async fn scan_volumes(&self, health: bool) -> Result<Vec<ScannedVolume>, Status> {
+        let mut all = Vec::new();
+        for (cluster_id, pool, ns) in self.driver.pools_seen() {
+            let conn = self.driver.connect(&cluster_id, &HashMap::new()).await?;
+            let name = self.driver.name.clone();
+            let found = self
+                .driver
+                .ceph(&conn, move |c, _m| {
+                    let io = c.ioctx_ns(&pool, &ns)?;
+                    let pool_health = if health {
+                        pool_health(c, &pool)
+                    } else {
+                        Vec::new()
+                    };
+                    let mut out = Vec::new();
+                    for image in rbd::list_names(&io)? {
+                        // Another client may remove it meanwhile.
+                        let Ok(img) = Image::open_read_only(&io, &image) else {
+                            continue;
+                        };
+                        if img.metadata_get(META_PROVISIONER).ok().as_deref() != Some(&name)
+                            || img.metadata_get(META_KIND).is_ok()
+                        {
+                            continue;
+                        }
+                        let vol = VolumeId {
+                            cluster_id: cluster_id.clone(),
+                            pool: pool.clone(),
+                            rados_namespace: ns.clone(),
+                            image,
+                        };
+                        let mut problems = Vec::new();
+                        if health {
+                            problems = image_health(&img);
+                            problems.extend(pool_health.iter().cloned());
+                        }
+                        out.push(ScannedVolume {
+                            handle: vol.handle(),
+                            size: img.size()?,
+                            problems,
+                        });
+                    }
+                    Ok(out)
+                })
+                .await
+                .map_err(|e| volume_status(&e))?;
+            all.extend(found);
+        }
+        all.sort_by(|a, b| a.handle.cmp(&b.handle));
+        Ok(all)
+    }
+}
+
+/// One of this driver's volumes, as [`ControllerService::scan_volumes`]
+/// found it.
+struct ScannedVolume {
+    handle: String,
+    size: u64,
+    problems: Vec<VolumeHealthEntry>,
+}
+
+/// librbd.h `RBD_FLAG_OBJECT_MAP_INVALID` and `RBD_FLAG_FAST_DIFF_INVALID`.
+const FLAG_OBJECT_MAP_INVALID: u64 = 1 << 0;
+const FLAG_FAST_DIFF_INVALID: u64 = 1 << 1;
+
+fn health_entry(status: VolumeHealthErrorType, reason: &str, message: String) -> VolumeHealthEntry {
+    VolumeHealthEntry {
+        status: status as i32,
+        reason: reason.to_owned(),
+        message,
+    }
+}
+
+/// What the image's own header says is wrong: an object map librbd has
+/// flagged invalid (after a crash of a writer without the lock released),
+/// which slows I/O and diffs until `rbd object-map rebuild`.
+fn image_health(img: &Image) -> Vec<VolumeHealthEntry> {
+    match img.flags() {
+        Ok(f) if f & (FLAG_OBJECT_MAP_INVALID | FLAG_FAST_DIFF_INVALID) != 0 => vec![health_entry(
+            VolumeHealthErrorType::Degraded,
+            "ObjectMapInvalid",
+            "the image's object map is flagged invalid; run `rbd object-map rebuild`".to_owned(),
+        )],
+        Ok(_) => Vec::new(),
+        Err(e) => vec![health_entry(
+            VolumeHealthErrorType::Degraded,
+            "HeaderUnreadable",
+            format!("the image's flags cannot be read: {e}"),
+        )],
+    }
+}
+
+/// A full pool: writes to every image in it block.
+fn pool_health(c: &crate::rados::Cluster, pool: &str) -> Vec<VolumeHealthEntry> {
+    match pool_max_avail(c, pool) {
+        Ok(0) => vec![health_entry(
+            VolumeHealthErrorType::Degraded,
+            "PoolFull",
+            format!("pool {pool:?} has no space left (ceph df max_avail is 0)"),
+        )],
+        // Not knowing is no known problem (the user may lack `ceph df`).
+        _ => Vec::new(),
+    }
 }
 
 #[tonic::async_trait]
@@ -463,39 +578,12 @@ impl Controller for ControllerService {
                 ))
             })?
         };
-        let mut all: Vec<(String, u64)> = Vec::new();
-        for (cluster_id, pool, ns) in self.driver.pools_seen() {
-            let conn = self.driver.connect(&cluster_id, &HashMap::new()).await?;
-            let name = self.driver.name.clone();
-            let found = self
-                .driver
-                .ceph(&conn, move |c, _m| {
-                    let io = c.ioctx_ns(&pool, &ns)?;
-                    let mut out = Vec::new();
-                    for image in rbd::list_names(&io)? {
-                        // Another client may remove it meanwhile.
-                        let Ok(img) = Image::open_read_only(&io, &image) else {
-                            continue;
-                        };
-                        if img.metadata_get(META_PROVISIONER).ok().as_deref() != Some(&name)
-                            || img.metadata_get(META_KIND).is_ok()
-                        {
-                            continue;
-                        }
-                        let vol = VolumeId {
-                            cluster_id: cluster_id.clone(),
-                            pool: pool.clone(),
-                            rados_namespace: ns.clone(),
-                            image,
-                        };
-                        out.push((vol.handle(), img.size()?));
-                    }
-                    Ok(out)
-                })
-                .await
-                .map_err(|e| volume_status(&e))?;
-            all.extend(found);
-        }
+        let mut all: Vec<(String, u64)> = self
+            .scan_volumes(false)
+            .await?
+            .into_iter()
+            .map(|v| (v.handle, v.size))
+            .collect();
         all.sort();
         if start > all.len() {
             return Err(Status::aborted(format!(
@@ -587,6 +675,8 @@ impl Controller for ControllerService {
             T::ListSnapshots,
             T::CloneVolume,
             T::GetSnapshot,
+            T::GetVolumeHealth,
+            T::ListVolumeHealth,
         ]
         .into_iter()
         .map(|t| ControllerServiceCapability {
@@ -853,6 +943,90 @@ impl Controller for ControllerService {
     ) -> Result<Response<ControllerGetVolumeResponse>, Status> {
         Err(Status::unimplemented(
             "ControllerGetVolume is not supported",
+        ))
+    }
+
+    async fn controller_get_volume_health(
+        &self,
+        req: Request<ControllerGetVolumeHealthRequest>,
+    ) -> Result<Response<ControllerGetVolumeHealthResponse>, Status> {
+        let req = req.into_inner();
+        let vol = volume_id(&req.volume_id)?;
+        let conn = self.driver.connect(&vol.cluster_id, &req.secrets).await?;
+        let (v, name) = (vol.clone(), self.driver.name.clone());
+        let found = self
+            .driver
+            .ceph(&conn, move |c, _m| {
+                let io = c.ioctx_ns(&v.pool, &v.rados_namespace)?;
+                let img = Image::open_read_only(&io, &v.image)?;
+                if img.metadata_get(META_PROVISIONER).ok().as_deref() != Some(&name) {
+                    return Err(VolumeError::Missing { image: v.image });
+                }
+                let mut problems = image_health(&img);
+                problems.extend(pool_health(c, &v.pool));
+                Ok(problems)
+            })
+            .await;
+        let health_statuses = match found {
+            Ok(p) => p,
+            Err(VolumeError::Ceph(e)) if e.is_not_found() => {
+                return Err(Status::not_found(format!("no such volume: {vol}")))
+            }
+            Err(e) => return Err(volume_status(&e)),
+        };
+        Ok(Response::new(ControllerGetVolumeHealthResponse {
+            volume_health: Some(VolumeHealth {
+                volume_id: req.volume_id,
+                health_statuses,
+            }),
+        }))
+    }
+
+    async fn controller_list_volume_health(
+        &self,
+        req: Request<ControllerListVolumeHealthRequest>,
+    ) -> Result<Response<ControllerListVolumeHealthResponse>, Status> {
+        let req = req.into_inner();
+        if req.max_entries < 0 {
+            return Err(Status::invalid_argument("max_entries is negative"));
+        }
+        let start: usize = if req.starting_token.is_empty() {
+            0
+        } else {
+            req.starting_token.parse().map_err(|_| {
+                Status::aborted(format!(
+                    "starting_token {:?} is not one this driver returned",
+                    req.starting_token
+                ))
+            })?
+        };
+        // Only the volumes something is wrong with.
+        let abnormal: Vec<VolumeHealth> = self
+            .scan_volumes(true)
+            .await?
+            .into_iter()
+            .filter(|v| !v.problems.is_empty())
+            .map(|v| VolumeHealth {
+                volume_id: v.handle,
+                health_statuses: v.problems,
+            })
+            .collect();
+        let (entries, next) =
+            snap::page(&abnormal, start, req.max_entries as usize).map_err(Status::aborted)?;
+        Ok(Response::new(ControllerListVolumeHealthResponse {
+            entries,
+            next_token: next.map(|n| n.to_string()).unwrap_or_default(),
+        }))
+    }
+
+    async fn controller_get_node_info(
+        &self,
+        _req: Request<ControllerGetNodeInfoRequest>,
+    ) -> Result<Response<ControllerGetNodeInfoResponse>, Status> {
+        // The spec ties GET_NODE_INFO to PUBLISH_UNPUBLISH_VOLUME, which a
+        // driver with no attach step does not offer.
+        Err(Status::unimplemented(
+            "ControllerGetNodeInfo is not supported (no ControllerPublishVolume)",
         ))
     }
 

@@ -98,6 +98,7 @@ impl Identity for IdentityService {
         let mut services = vec![S::VolumeAccessibilityConstraints];
         if self.controller {
             services.push(S::ControllerService);
+            services.push(S::GroupControllerService);
         }
         for s in services {
             caps.push(PluginCapability {

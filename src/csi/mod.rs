@@ -3,7 +3,9 @@
 //!
 //! - [`proto`]: code generated from the CSI spec's `csi.proto`;
 //! - [`driver`]: the state the services share, and error mapping;
-//! - [`identity`], [`controller`], [`node`]: the services;
+//! - [`identity`], [`controller`], [`group_controller`], [`node`]: the
+//!   services (the group controller, volume group snapshots, with the
+//!   controller);
 //! - [`client`]: a channel to the server's socket, for those who play kubelet.
 //!
 //! The controller calls the same volume operations as the provisioner
@@ -17,6 +19,7 @@
 pub mod client;
 pub mod controller;
 pub mod driver;
+pub mod group_controller;
 pub mod identity;
 pub mod node;
 pub mod proto;
@@ -215,8 +218,8 @@ pub async fn run_until(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     use proto::{
-        controller_server::ControllerServer, identity_server::IdentityServer,
-        node_server::NodeServer,
+        controller_server::ControllerServer, group_controller_server::GroupControllerServer,
+        identity_server::IdentityServer, node_server::NodeServer,
     };
     telemetry::init(args.log_format);
     let path = socket_path(&args.endpoint)?;
@@ -300,6 +303,11 @@ pub async fn run_until(
         .add_service(IdentityServer::new(identity))
         .add_optional_service(with_controller.then(|| {
             ControllerServer::new(controller::ControllerService::new(Arc::clone(&driver)))
+        }))
+        .add_optional_service(with_controller.then(|| {
+            GroupControllerServer::new(group_controller::GroupControllerService::new(Arc::clone(
+                &driver,
+            )))
         }))
         .add_optional_service(node_service.map(NodeServer::new));
     let served = router

@@ -1,6 +1,15 @@
 //! The CSI Node service: stage (map, mkfs, mount), publish (bind mount),
 //! and their reverses; expansion, stats and volume health.
 //!
+//! **Health** (CSI 1.13's NodeGetVolumeHealth, which replaced the alpha
+//! VolumeCondition of NodeGetVolumeStats): a staged volume is INACCESSIBLE
+//! when its mapper says the mapping no longer serves I/O
+//! ([`Mapper::check`]), when it is not mapped, or when its mount or device
+//! cannot be read; DEGRADED when a read-write filesystem has been remounted
+//! read-only (the kernel does so after an I/O error). NodeGetStorageHealth
+//! reports each mapper that cannot map here and Ceph monitors that do not
+//! answer.
+//!
 //! Layout under a staging path, as kubelet gives it:
 //! - `<staging>/rbdkit.json`: the stash, what unstaging needs (mapper,
 //!   device, options, the staging lock). Written before the lock is taken
@@ -56,14 +65,18 @@ use tonic::{Request, Response, Status};
 
 use crate::csi::driver::{credentials, required, status_of, volume_id, Driver};
 use crate::csi::proto::{
+    node_get_storage_health_response::StorageBackendHealth, volume_health::VolumeHealthEntry,
+    NodeGetStorageHealthRequest, NodeGetStorageHealthResponse, NodeGetVolumeHealthRequest,
+    NodeGetVolumeHealthResponse, StorageHealthErrorType, VolumeHealth, VolumeHealthErrorType,
+};
+use crate::csi::proto::{
     node_server::Node, node_service_capability, volume_capability, volume_usage,
     NodeExpandVolumeRequest, NodeExpandVolumeResponse, NodeGetCapabilitiesRequest,
     NodeGetCapabilitiesResponse, NodeGetInfoRequest, NodeGetInfoResponse,
     NodeGetVolumeStatsRequest, NodeGetVolumeStatsResponse, NodePublishVolumeRequest,
     NodePublishVolumeResponse, NodeServiceCapability, NodeStageVolumeRequest,
     NodeStageVolumeResponse, NodeUnpublishVolumeRequest, NodeUnpublishVolumeResponse,
-    NodeUnstageVolumeRequest, NodeUnstageVolumeResponse, Topology, VolumeCapability,
-    VolumeCondition, VolumeUsage,
+    NodeUnstageVolumeRequest, NodeUnstageVolumeResponse, Topology, VolumeCapability, VolumeUsage,
 };
 use crate::node::stage_lock::{self, Acquired, ImageLock, LockMode};
 use crate::node::{fs, mount, options, MapSpec, Mapper};
@@ -76,6 +89,8 @@ use crate::Error;
 pub const STASH: &str = "rbdkit.json";
 /// The mount point (or device file) under the staging path.
 pub const VOLUME: &str = "volume";
+/// Bound on connecting to each monitor in NodeGetStorageHealth.
+const STORAGE_HEALTH_MON_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// What NodeUnstageVolume (and stats and expansion) need to know about a
 /// staged volume.
@@ -565,6 +580,82 @@ impl NodeService {
 
     /// The staging path of a volume: the request's, or the one recorded at
     /// staging.
+    /// What is wrong with staged volume `id`, from this node's side: empty
+    /// when nothing is. `publish` is a target path to read (else the staging
+    /// mount is read). NOT_FOUND when the volume is not staged here.
+    async fn health_of(
+        &self,
+        id: &str,
+        publish: &str,
+        staging: &str,
+    ) -> Result<Vec<VolumeHealthEntry>, Status> {
+        let not_staged = || Status::not_found(format!("volume {id} is not staged on this node"));
+        let staging = self.staging_of(id, staging).ok_or_else(not_staged)?;
+        let stash = Stash::read(&staging)?
+            .filter(|s| s.volume_id == id)
+            .ok_or_else(not_staged)?;
+        let entry =
+            |status: VolumeHealthErrorType, reason: &str, message: String| VolumeHealthEntry {
+                status: status as i32,
+                reason: reason.to_owned(),
+                message,
+            };
+        let mut out = Vec::new();
+        match (self.stashed_mapper(&stash), stash.device.clone()) {
+            (Ok(m), Some(dev)) => {
+                let id2 = id.to_owned();
+                let checked = tokio::task::spawn_blocking(move || m.check(&id2, &dev))
+                    .await
+                    .unwrap_or_else(|e| Err(format!("health check failed: {e}")));
+                if let Err(why) = checked {
+                    out.push(entry(
+                        VolumeHealthErrorType::Inaccessible,
+                        "MappingFailed",
+                        why,
+                    ));
+                }
+            }
+            (Err(e), _) => out.push(entry(
+                VolumeHealthErrorType::Inaccessible,
+                "MapperUnavailable",
+                e.message().to_owned(),
+            )),
+            (_, None) => out.push(entry(
+                VolumeHealthErrorType::Inaccessible,
+                "NotMapped",
+                format!("volume {id} is staged but its image is not mapped"),
+            )),
+        }
+        let path = if publish.is_empty() {
+            staging.join(VOLUME)
+        } else {
+            PathBuf::from(publish)
+        };
+        let p = path.clone();
+        let read = if stash.fs_type.is_some() {
+            blocking(move || fs::stats(&p).map(|st| st.read_only)).await
+        } else {
+            blocking(move || fs::device_size(&p).map(|_| false)).await
+        };
+        match read {
+            Ok(read_only) if read_only && !stash.read_only => out.push(entry(
+                VolumeHealthErrorType::Degraded,
+                "FilesystemReadOnly",
+                format!(
+                    "the filesystem at {} is read-only though staged read-write (remounted so after an I/O error?)",
+                    path.display()
+                ),
+            )),
+            Ok(_) => {}
+            Err(e) => out.push(entry(
+                VolumeHealthErrorType::Inaccessible,
+                "VolumePathUnreadable",
+                e.message().to_owned(),
+            )),
+        }
+        Ok(out)
+    }
+
     fn staging_of(&self, volume_id: &str, given: &str) -> Option<PathBuf> {
         if !given.is_empty() {
             return Some(PathBuf::from(given));
@@ -1161,23 +1252,10 @@ impl Node for NodeService {
                     path.display()
                 )))
             }
-            // A dead backend (ENOTCONN, EIO): report it as a condition.
+            // A dead backend (ENOTCONN, EIO): no usage; NodeGetVolumeHealth
+            // reports it.
             Err(_) => None,
         };
-        let stash = self
-            .staging_of(&id, &req.staging_target_path)
-            .and_then(|s| Stash::read(&s).ok().flatten());
-        let mut abnormal: Option<String> = None;
-        if let Some(s) = &stash {
-            if let (Ok(m), Some(dev)) = (self.stashed_mapper(s), s.device.clone()) {
-                let id2 = id.clone();
-                match tokio::task::spawn_blocking(move || m.check(&id2, &dev)).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(why)) => abnormal = Some(why),
-                    Err(e) => abnormal = Some(format!("health check failed: {e}")),
-                }
-            }
-        }
         let mut usage = Vec::new();
         match meta {
             Some(m) if m.file_type().is_block_device() => {
@@ -1189,9 +1267,8 @@ impl Node for NodeService {
                         used: 0,
                         unit: volume_usage::Unit::Bytes as i32,
                     }),
-                    Err(e) => {
-                        abnormal.get_or_insert(format!("device unreadable: {}", e.message()));
-                    }
+                    // NodeGetVolumeHealth says why.
+                    Err(e) => tracing::debug!(volume = %id, "no stats: {}", e.message()),
                 }
             }
             Some(_) => {
@@ -1211,25 +1288,12 @@ impl Node for NodeService {
                             unit: volume_usage::Unit::Inodes as i32,
                         });
                     }
-                    Err(e) => {
-                        abnormal.get_or_insert(format!("filesystem unreadable: {}", e.message()));
-                    }
+                    Err(e) => tracing::debug!(volume = %id, "no stats: {}", e.message()),
                 }
             }
-            None => {
-                abnormal.get_or_insert(format!(
-                    "volume_path {} cannot be read (its backend may have died)",
-                    path.display()
-                ));
-            }
+            None => {}
         }
-        Ok(Response::new(NodeGetVolumeStatsResponse {
-            usage,
-            volume_condition: Some(VolumeCondition {
-                abnormal: abnormal.is_some(),
-                message: abnormal.unwrap_or_else(|| "volume is healthy".to_owned()),
-            }),
-        }))
+        Ok(Response::new(NodeGetVolumeStatsResponse { usage }))
     }
 
     async fn node_expand_volume(
@@ -1285,8 +1349,9 @@ impl Node for NodeService {
             T::StageUnstageVolume,
             T::ExpandVolume,
             T::GetVolumeStats,
-            T::VolumeCondition,
             T::SingleNodeMultiWriter,
+            T::GetVolumeHealth,
+            T::GetStorageHealth,
         ]
         .into_iter()
         .map(|t| NodeServiceCapability {
@@ -1296,6 +1361,73 @@ impl Node for NodeService {
         })
         .collect();
         Ok(Response::new(NodeGetCapabilitiesResponse { capabilities }))
+    }
+
+    async fn node_get_volume_health(
+        &self,
+        req: Request<NodeGetVolumeHealthRequest>,
+    ) -> Result<Response<NodeGetVolumeHealthResponse>, Status> {
+        let req = req.into_inner();
+        let id = required("volume_id", &req.volume_id)?.to_owned();
+        for (field, p) in [
+            ("volume_publish_path", &req.volume_publish_path),
+            ("staging_target_path", &req.staging_target_path),
+        ] {
+            if !p.is_empty() && !p.starts_with('/') {
+                return Err(Status::invalid_argument(format!(
+                    "{field} {p:?} is not an absolute path"
+                )));
+            }
+        }
+        let health_statuses = self
+            .health_of(&id, &req.volume_publish_path, &req.staging_target_path)
+            .await?;
+        if !health_statuses.is_empty() {
+            tracing::warn!(volume = %id, problems = ?health_statuses, "volume unhealthy");
+        }
+        Ok(Response::new(NodeGetVolumeHealthResponse {
+            volume_health: Some(VolumeHealth {
+                volume_id: id,
+                health_statuses,
+            }),
+        }))
+    }
+
+    async fn node_get_storage_health(
+        &self,
+        _req: Request<NodeGetStorageHealthRequest>,
+    ) -> Result<Response<NodeGetStorageHealthResponse>, Status> {
+        let unreachable = |reason: &str, message: String| StorageBackendHealth {
+            status: StorageHealthErrorType::StorageUnreachable as i32,
+            reason: reason.to_owned(),
+            message,
+            volume_capability: None,
+        };
+        let mut backend_health = Vec::new();
+        for m in &self.mappers {
+            let m2 = Arc::clone(m);
+            let ready = tokio::task::spawn_blocking(move || m2.ready())
+                .await
+                .unwrap_or_else(|e| Err(format!("readiness check failed: {e}")));
+            if let Err(why) = ready {
+                backend_health.push(unreachable(
+                    "MapperNotReady",
+                    format!("mapper {}: {why}", m.name()),
+                ));
+            }
+        }
+        let driver = Arc::clone(&self.driver);
+        let mons = tokio::task::spawn_blocking(move || {
+            crate::csi::identity::monitors_reachable(&driver, STORAGE_HEALTH_MON_TIMEOUT)
+        })
+        .await
+        .unwrap_or_else(|e| Err(format!("monitor check failed: {e}")));
+        if let Err(why) = mons {
+            backend_health.push(unreachable("MonitorsUnreachable", why));
+        }
+        Ok(Response::new(NodeGetStorageHealthResponse {
+            backend_health,
+        }))
     }
 
     async fn node_get_info(

@@ -550,6 +550,9 @@ pub struct FsStats {
     pub free_inodes: u64,
     /// Inodes in use.
     pub used_inodes: u64,
+    /// Mounted read-only (`ST_RDONLY`): by request, or remounted so by the
+    /// kernel after an I/O error (ext4's `errors=remount-ro`).
+    pub read_only: bool,
 }
 
 /// `statvfs(3)` on `path`.
@@ -580,6 +583,7 @@ pub fn stats(path: &Path) -> Result<FsStats> {
         total_inodes: files,
         free_inodes: ffree,
         used_inodes: files.saturating_sub(ffree),
+        read_only: st.f_flag & libc::ST_RDONLY != 0,
     })
 }
 

@@ -77,7 +77,7 @@ pub trait Mapper: Send + Sync {
     fn refresh_size(&self, volume_id: &str) -> crate::Result<u64>;
 
     /// Whether the mapping of `volume_id` still serves I/O; the error says
-    /// why not, for the VolumeCondition.
+    /// why not, for NodeGetVolumeHealth.
     fn check(&self, volume_id: &str, device: &Path) -> Result<(), String>;
 
     /// Whether this mapper can map on this node now (the node plugin's

@@ -157,6 +157,95 @@ impl SnapshotId {
     }
 }
 
+/// Version tag at the start of every group snapshot handle this code writes.
+const GROUP_SNAP_HANDLE_VERSION: &str = "rbdkit1-gsnap";
+
+/// Where a volume group snapshot lives: the pool and RADOS namespace of its
+/// members, and the group snapshot's name, from which the RBD group taken
+/// for it and each member's snapshot image are named
+/// ([`GroupSnapshotId::member`]).
+///
+/// A member is an ordinary snapshot ([`SnapshotId`]): restoring one into a
+/// volume, or deleting it alone, goes through the single-snapshot path.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct GroupSnapshotId {
+    /// The clusters-config entry.
+    pub cluster_id: String,
+    /// The pool of every member.
+    pub pool: String,
+    /// The RADOS namespace of every member (empty for the default one).
+    pub rados_namespace: String,
+    /// The group snapshot's name (also the RBD group's).
+    pub name: String,
+}
+
+impl fmt::Display for GroupSnapshotId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.rados_namespace.is_empty() {
+            write!(f, "{}:{}/{} (group)", self.cluster_id, self.pool, self.name)
+        } else {
+            write!(
+                f,
+                "{}:{}/{}/{} (group)",
+                self.cluster_id, self.pool, self.rados_namespace, self.name
+            )
+        }
+    }
+}
+
+impl GroupSnapshotId {
+    /// The CSI `group_snapshot_id`:
+    /// `rbdkit1-gsnap/<cluster>/<pool>/<namespace>/<name>`, each part with
+    /// `%` and `/` percent-encoded.
+    pub fn handle(&self) -> String {
+        format!(
+            "{GROUP_SNAP_HANDLE_VERSION}/{}/{}/{}/{}",
+            escape(&self.cluster_id),
+            escape(&self.pool),
+            escape(&self.rados_namespace),
+            escape(&self.name)
+        )
+    }
+
+    /// Reads a handle made by [`GroupSnapshotId::handle`]; anything else
+    /// (a volume or snapshot handle included) is refused.
+    pub fn parse(handle: &str) -> Result<GroupSnapshotId, String> {
+        let parts: Vec<&str> = handle.split('/').collect();
+        let [GROUP_SNAP_HANDLE_VERSION, cluster, pool, ns, name] = parts.as_slice() else {
+            return Err(format!(
+                "group snapshot handle {handle:?} is not {GROUP_SNAP_HANDLE_VERSION}/cluster/pool/namespace/name"
+            ));
+        };
+        let id = GroupSnapshotId {
+            cluster_id: unescape(cluster)?,
+            pool: unescape(pool)?,
+            rados_namespace: unescape(ns)?,
+            name: unescape(name)?,
+        };
+        if id.cluster_id.is_empty() || id.pool.is_empty() || id.name.is_empty() {
+            return Err(format!(
+                "group snapshot handle {handle:?} has an empty part"
+            ));
+        }
+        Ok(id)
+    }
+
+    /// The snapshot of member `source` (a volume in this group snapshot's
+    /// pool and namespace): the snapshot image `<name>-<source image>` (or a
+    /// stable hash of that, see [`image_base`]) and its snapshot `snap`.
+    /// Derived from the request alone, so a re-run finds what an earlier
+    /// attempt made, and parseable by [`SnapshotId::parse`] as any snapshot.
+    pub fn member(&self, source: &VolumeId, snap: &str) -> SnapshotId {
+        SnapshotId {
+            cluster_id: self.cluster_id.clone(),
+            pool: self.pool.clone(),
+            rados_namespace: self.rados_namespace.clone(),
+            image: image_base(&format!("{}-{}", self.name, source.image)),
+            snap: snap.to_owned(),
+        }
+    }
+}
+
 /// The image name for a request name (a CSI request's, or a snapshot
 /// content's): the name itself when it is a safe image name, else a stable
 /// hash of it. Deterministic, so a retried request finds the image the
@@ -273,6 +362,53 @@ mod tests {
             "rbdkit1-snap/a/b/c/%zz@s",
         ] {
             assert!(SnapshotId::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn group_snapshot_handles_round_trip_and_members_are_snapshots() {
+        let g = GroupSnapshotId {
+            cluster_id: "fsid-1".into(),
+            pool: "rbd".into(),
+            rados_namespace: "".into(),
+            name: "groupsnapshot-1".into(),
+        };
+        assert_eq!(g.handle(), "rbdkit1-gsnap/fsid-1/rbd//groupsnapshot-1");
+        assert_eq!(GroupSnapshotId::parse(&g.handle()).unwrap(), g);
+        let odd = GroupSnapshotId {
+            cluster_id: "a/b".into(),
+            pool: "p%q".into(),
+            rados_namespace: "ns/1".into(),
+            name: "n@m".into(),
+        };
+        assert_eq!(GroupSnapshotId::parse(&odd.handle()).unwrap(), odd);
+        let vol = VolumeId {
+            cluster_id: "fsid-1".into(),
+            pool: "rbd".into(),
+            rados_namespace: "".into(),
+            image: "pvc-1".into(),
+        };
+        let m = g.member(&vol, "rbdkit");
+        assert_eq!(m.image, "groupsnapshot-1-pvc-1");
+        assert_eq!(SnapshotId::parse(&m.handle()).unwrap(), m);
+        // A name that is no safe image name still gives one, stably.
+        let mut long = g.clone();
+        long.name = "x".repeat(250);
+        let lm = long.member(&vol, "rbdkit");
+        assert!(lm.image.starts_with("csi-vol-"), "{}", lm.image);
+        assert_eq!(lm, long.member(&vol, "rbdkit"));
+        for bad in [
+            "",
+            "fake-vol-id",
+            vol.handle().as_str(),
+            m.handle().as_str(),
+            "rbdkit1-gsnap/a/b/c",
+            "rbdkit1-gsnap/a/b/c/d/e",
+            "rbdkit1-gsnap//b/c/d",
+            "rbdkit1-gsnap/a/b/c/",
+            "rbdkit1-gsnap/a/b/c/%zz",
+        ] {
+            assert!(GroupSnapshotId::parse(bad).is_err(), "{bad:?}");
         }
     }
 

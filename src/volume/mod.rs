@@ -16,12 +16,15 @@
 //!   and taken over.
 //! - [`snapshot`]: snapshots, restores, volume clones, clone depth limits
 //!   and the trash for sources that still have clones.
+//! - [`group_snapshot`]: volume group snapshots, one instant for several
+//!   volumes, each member an ordinary snapshot.
 //!
 //! Nothing here knows about Kubernetes objects (callers pass plain values)
 //! except [`pv`] and [`legacy`], whose input is PVs themselves.
 
 pub mod clusters;
 pub mod gc;
+pub mod group_snapshot;
 pub mod id;
 pub mod legacy;
 pub mod ops;
@@ -33,7 +36,7 @@ pub mod snapshot;
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-pub use id::{image_base, SnapshotId, VolumeId};
+pub use id::{image_base, GroupSnapshotId, SnapshotId, VolumeId};
 
 use params::ClassParams;
 

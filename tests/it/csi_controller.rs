@@ -6,7 +6,8 @@ use std::collections::HashMap;
 
 use rbdkit::csi::proto::{
     volume_content_source, CapacityRange, ControllerExpandVolumeRequest,
-    ControllerGetCapabilitiesRequest, CreateSnapshotRequest, CreateVolumeRequest,
+    ControllerGetCapabilitiesRequest, ControllerGetVolumeHealthRequest,
+    ControllerListVolumeHealthRequest, CreateSnapshotRequest, CreateVolumeRequest,
     DeleteSnapshotRequest, DeleteVolumeRequest, GetCapacityRequest, GetPluginCapabilitiesRequest,
     GetPluginInfoRequest, GetSnapshotRequest, ListSnapshotsRequest, ListVolumesRequest,
     ProbeRequest, ValidateVolumeCapabilitiesRequest, VolumeContentSource,
@@ -37,7 +38,7 @@ async fn identity_reports_the_plugin_and_probes_ceph() {
         .into_inner();
     let text = format!("{caps:?}");
     assert!(text.contains("VolumeExpansion"), "{text}");
-    assert_eq!(caps.capabilities.len(), 3, "{text}");
+    assert_eq!(caps.capabilities.len(), 4, "{text}");
     let probe = id.probe(ProbeRequest {}).await.unwrap().into_inner();
     assert_eq!(probe.ready, Some(true));
 }
@@ -230,7 +231,7 @@ async fn expand_validate_list_and_capacity() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(caps.capabilities.len(), 9);
+    assert_eq!(caps.capabilities.len(), 11);
     let mut ids = Vec::new();
     for i in 0..3 {
         ids.push(
@@ -240,6 +241,52 @@ async fn expand_validate_list_and_capacity() {
     }
     // A foreign image in the same pool is not listed.
     rbd::create(&env.rbd.ioctx, "foreign", 1 << 20, &Default::default()).unwrap();
+
+    // Health: nothing wrong with a new volume; a foreign image is no volume.
+    let h = ctl
+        .controller_get_volume_health(ControllerGetVolumeHealthRequest {
+            volume_id: ids[0].clone(),
+            secrets: env.secrets(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .volume_health
+        .unwrap();
+    assert_eq!(
+        (h.volume_id.as_str(), h.health_statuses.len()),
+        (ids[0].as_str(), 0)
+    );
+    let mut foreign = VolumeId::parse(&ids[0]).unwrap();
+    foreign.image = "foreign".into();
+    for (id, code) in [
+        (String::new(), Code::InvalidArgument),
+        ("fake-vol-id".to_owned(), Code::NotFound),
+        (foreign.handle(), Code::NotFound),
+    ] {
+        let e = ctl
+            .controller_get_volume_health(ControllerGetVolumeHealthRequest {
+                volume_id: id.clone(),
+                secrets: env.secrets(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), code, "{id:?}: {e}");
+    }
+    let list = ctl
+        .controller_list_volume_health(ControllerListVolumeHealthRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(list.entries.is_empty(), "{list:?}");
+    let e = ctl
+        .controller_list_volume_health(ControllerListVolumeHealthRequest {
+            max_entries: -1,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
 
     let mut seen = Vec::new();
     let mut token = String::new();
@@ -427,6 +474,7 @@ async fn snapshots_restores_and_clones() {
         name: name.to_owned(),
         secrets: env.secrets(),
         parameters: HashMap::new(),
+        ..Default::default()
     };
     let snap = ctl
         .create_snapshot(snap_req(&src, "snapshot-1"))

@@ -10,10 +10,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rbdkit::csi::proto::{
-    CapacityRange, ControllerExpandVolumeRequest, DeleteVolumeRequest, NodeExpandVolumeRequest,
-    NodeGetCapabilitiesRequest, NodeGetInfoRequest, NodeGetVolumeStatsRequest,
+    volume_health::VolumeHealthEntry, CapacityRange, ControllerExpandVolumeRequest,
+    DeleteVolumeRequest, NodeExpandVolumeRequest, NodeGetCapabilitiesRequest, NodeGetInfoRequest,
+    NodeGetStorageHealthRequest, NodeGetVolumeHealthRequest, NodeGetVolumeStatsRequest,
     NodePublishVolumeRequest, NodeUnpublishVolumeRequest, NodeUnstageVolumeRequest,
-    VolumeCapability,
+    VolumeCapability, VolumeHealthErrorType,
 };
 use rbdkit::rbd::Image;
 use rbdkit::volume::VolumeId;
@@ -22,6 +23,30 @@ use support::data::pattern;
 use tonic::Code;
 
 const MIB: i64 = 1 << 20;
+
+/// What NodeGetVolumeHealth says is wrong with a published volume (the
+/// publish path given, or with only the volume id as csi-sanity asks).
+async fn health(env: &CsiEnv, id: &str, p: &Paths, by_path: bool) -> Vec<VolumeHealthEntry> {
+    let h = env
+        .node()
+        .await
+        .node_get_volume_health(NodeGetVolumeHealthRequest {
+            volume_id: id.to_owned(),
+            volume_publish_path: if by_path {
+                p.target.display().to_string()
+            } else {
+                String::new()
+            },
+            staging_target_path: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .volume_health
+        .unwrap();
+    assert_eq!(h.volume_id, id);
+    h.health_statuses
+}
 
 struct Paths {
     staging: std::path::PathBuf,
@@ -214,7 +239,7 @@ async fn block_volume_bytes_reach_the_image() {
         .unwrap()
         .into_inner();
     assert_eq!(stats.usage[0].total, 32 * MIB);
-    assert!(!stats.volume_condition.unwrap().abnormal);
+    assert_eq!(health(&env, &id, &p, true).await, vec![]);
     unpublish(&env, &id, &p).await;
     unstage(&env, &id, &p).await;
     let vol = VolumeId::parse(&id).unwrap();
@@ -384,8 +409,8 @@ async fn killing_the_grpc_server_does_not_touch_a_mounted_volume() {
         .await
         .unwrap()
         .into_inner();
-    let cond = stats.volume_condition.unwrap();
-    assert!(!cond.abnormal, "{}", cond.message);
+    assert!(!stats.usage.is_empty());
+    assert_eq!(health(&env, &id, &p, true).await, vec![]);
     wait_for(written.load(Ordering::SeqCst) + 20);
     stop.store(true, Ordering::SeqCst);
     writer.join().unwrap().expect("writer never failed");
@@ -452,7 +477,7 @@ async fn a_second_node_cannot_stage_a_volume_read_write() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn stats_report_a_dead_mapper_as_abnormal() {
+async fn health_reports_a_dead_mapper_as_inaccessible() {
     let mut env = CsiEnv::new("csi-dead", Mode::All).await;
     let id = env
         .create_volume("pvc-dead", 32 * MIB, mount_cap("ext4"))
@@ -472,41 +497,53 @@ async fn stats_report_a_dead_mapper_as_abnormal() {
         .await
         .unwrap()
         .into_inner();
-    assert!(!ok.volume_condition.unwrap().abnormal);
-    env.mapper.as_mut().unwrap().kill9();
-    let bad = env
+    assert_eq!(ok.usage.len(), 2);
+    assert_eq!(health(&env, &id, &p, true).await, vec![]);
+    assert_eq!(health(&env, &id, &p, false).await, vec![]);
+    let storage = env
         .node()
         .await
-        .node_get_volume_stats(req())
+        .node_get_storage_health(NodeGetStorageHealthRequest::default())
         .await
         .unwrap()
         .into_inner();
-    let cond = bad.volume_condition.unwrap();
-    assert!(cond.abnormal, "a dead mapper must be reported");
+    assert_eq!(storage.backend_health, vec![]);
+    env.mapper.as_mut().unwrap().kill9();
+    let bad = health(&env, &id, &p, true).await;
+    assert!(
+        bad.iter()
+            .any(|e| e.status == VolumeHealthErrorType::Inaccessible as i32
+                && e.reason == "MappingFailed"),
+        "a dead mapper must be reported: {bad:?}"
+    );
+    // Without the publish path too (the staging mount is read instead).
+    assert!(!health(&env, &id, &p, false).await.is_empty());
+    let storage = env
+        .node()
+        .await
+        .node_get_storage_health(NodeGetStorageHealthRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        storage
+            .backend_health
+            .iter()
+            .any(|b| b.reason == "MapperNotReady" && b.message.contains("rbdkit-fuse")),
+        "{storage:?}"
+    );
     // The restarted mapper knows the volume but reports it unhealthy until
     // it is staged again; unpublish and unstage still clean up.
     env.mapper.as_mut().unwrap().restart();
     env.wait_mapper();
-    let after = env
-        .node()
-        .await
-        .node_get_volume_stats(req())
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(after.volume_condition.unwrap().abnormal);
+    // Stats still answer (no usage from a dead mount).
+    env.node().await.node_get_volume_stats(req()).await.unwrap();
+    assert!(!health(&env, &id, &p, true).await.is_empty());
     unpublish(&env, &id, &p).await;
     unstage(&env, &id, &p).await;
     stage(&env, &id, &p, mount_cap("ext4")).await;
     publish(&env, &id, &p, mount_cap("ext4"), false).await;
-    let healed = env
-        .node()
-        .await
-        .node_get_volume_stats(req())
-        .await
-        .unwrap()
-        .into_inner();
-    assert!(!healed.volume_condition.unwrap().abnormal);
+    assert_eq!(health(&env, &id, &p, true).await, vec![]);
     unpublish(&env, &id, &p).await;
     unstage(&env, &id, &p).await;
     // The dead mapper's watch lingers until the OSD times it out (30 s by
@@ -539,7 +576,7 @@ async fn node_info_capabilities_and_bad_requests() {
     let env = CsiEnv::new("csi-nodeinfo", Mode::All).await;
     let mut node = env.node().await;
     let info = node
-        .node_get_info(NodeGetInfoRequest {})
+        .node_get_info(NodeGetInfoRequest::default())
         .await
         .unwrap()
         .into_inner();
@@ -553,7 +590,32 @@ async fn node_info_capabilities_and_bad_requests() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(caps.capabilities.len(), 5);
+    assert_eq!(caps.capabilities.len(), 6);
+    // Health of a volume not staged here, and of none.
+    let e = node
+        .node_get_volume_health(NodeGetVolumeHealthRequest {
+            volume_id: "rbdkit1/c/p//nope".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e}");
+    let e = node
+        .node_get_volume_health(NodeGetVolumeHealthRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("volume_id"), "{e}");
+    let e = node
+        .node_get_volume_health(NodeGetVolumeHealthRequest {
+            volume_id: "rbdkit1/c/p//nope".into(),
+            volume_publish_path: "relative/path".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("volume_publish_path"), "{e}");
     let p = paths(&env, "x");
     let mut req = env.stage_request("", &p.staging, mount_cap("ext4"));
     assert_eq!(
@@ -656,6 +718,7 @@ async fn read_only_restore_of_a_snapshot_of_a_mounted_fs(fs_type: &str) {
             name: format!("snap-rox-{fs_type}"),
             secrets: env.secrets(),
             parameters: Default::default(),
+            ..Default::default()
         })
         .await
         .unwrap()

@@ -134,7 +134,8 @@ async fn csi_sanity_passes() {
         "skipped without a reason in skips.txt:\n{}",
         unexplained.join("\n")
     );
-    assert!(passed >= 45, "only {passed} tests passed");
+    // 83 with csi-test v5.6.0 (health and GroupController suites included).
+    assert!(passed >= 80, "only {passed} tests passed");
     // Nothing left behind in Ceph.
     assert!(rbdkit::rbd::list_names(&env.rbd.ioctx).unwrap().is_empty());
 }

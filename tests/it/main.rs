@@ -12,6 +12,7 @@ mod support;
 
 mod csi_controller;
 mod csi_deploy;
+mod csi_group_snapshots;
 mod csi_krbd;
 mod csi_node;
 mod csi_sanity;

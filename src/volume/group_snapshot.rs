@@ -1,0 +1,501 @@
+//! Volume group snapshots: snapshots of several volumes at one instant,
+//! for the CSI GroupController.
+//!
+//! # Design
+//! The instant comes from an RBD group snapshot (`rbd_group_snap_create`:
+//! librbd quiesces every member and takes their snapshots together). The
+//! group and its snapshot are scaffolding: each member's state at that
+//! instant becomes an ordinary snapshot image of its own
+//! ([`GroupSnapshotId::member`], with the same owner records and final RBD
+//! snapshot as [`crate::volume::snapshot`]'s), and then the group snapshot,
+//! the memberships and the group are removed. So a member is restored,
+//! listed and deleted as any snapshot, and the source volumes stay free to
+//! be deleted or snapshotted into another group.
+//!
+//! A member image is made from the member's group snapshot by a clone
+//! (`rbd_clone4`, Ceph 19 Squid and later: no data copy) or, where librbd
+//! cannot clone from a snapshot outside the user namespace, by a copy of
+//! the image as of that snapshot (`rbd_copy3`, which moves the data).
+//!
+//! # Crash safety
+//! Every name derives from the request: the RBD group and the group
+//! snapshot's name, each member image `I` and its temporary name
+//! `I.rbdkit-new`. A member image gets its owner records and its final
+//! snapshot under the temporary name, then is renamed, so the final name
+//! never exists half made. The group snapshot is removed only once every
+//! member image exists, so a re-run after a kill at any step finds either
+//! the group snapshot (and makes the missing members from it) or all the
+//! members (and removes what scaffolding is left).
+//!
+//! Every function here is blocking: call it through
+//! [`crate::blocking::BlockingPool`].
+
+use std::collections::BTreeMap;
+
+use crate::rados::{Cluster, IoCtx};
+use crate::rbd::{self, Features, Image, ImageOptions, SnapNamespaceType};
+use crate::volume::ops::{ioctx, open_if_exists, timed, VolumeError, META_CLUSTER};
+use crate::volume::ops::{META_PROVISIONER, TEMP_SUFFIX};
+use crate::volume::snapshot::{
+    self as snap, SnapshotInfo, KIND_SNAPSHOT, META_KIND, META_SNAPSHOT, META_SOURCE, SNAP_NAME,
+};
+use crate::volume::{CephObserver, GroupSnapshotId, SnapshotId, VolumeId};
+use crate::ErrorKind;
+
+/// Metadata key on a member's snapshot image: the group snapshot's name.
+pub const META_GROUP_SNAPSHOT: &str = "rbdkit.groupsnapshot";
+/// The RBD group snapshot's name within its group.
+const GROUP_SNAP: &str = "rbdkit";
+/// Features a member image keeps from its source (as a clone would).
+const MEMBER_FEATURES: Features = Features::from_bits(
+    Features::LAYERING.bits()
+        | Features::EXCLUSIVE_LOCK.bits()
+        | Features::OBJECT_MAP.bits()
+        | Features::FAST_DIFF.bits()
+        | Features::DEEP_FLATTEN.bits(),
+);
+
+/// A group snapshot, as Create and Get report it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupSnapshotInfo {
+    /// Its handle.
+    pub id: GroupSnapshotId,
+    /// Its members, sorted by handle.
+    pub members: Vec<SnapshotInfo>,
+}
+
+/// The place a group snapshot of `sources` lives in: their common cluster,
+/// pool and namespace. Several of those, a duplicate or none are refused
+/// (INVALID_ARGUMENT: the caller names `source_volume_ids`).
+pub fn place_of(sources: &[VolumeId], name: &str) -> Result<GroupSnapshotId, String> {
+    let Some(first) = sources.first() else {
+        return Err("source_volume_ids is empty".into());
+    };
+    for (i, s) in sources.iter().enumerate() {
+        if s.cluster_id != first.cluster_id
+            || s.pool != first.pool
+            || s.rados_namespace != first.rados_namespace
+        {
+            return Err(format!(
+                "source_volume_ids: {s} is in another cluster, pool or namespace than {first}; the volumes of a group snapshot share one"
+            ));
+        }
+        if sources[..i].contains(s) {
+            return Err(format!("source_volume_ids: {s} is named twice"));
+        }
+    }
+    Ok(GroupSnapshotId {
+        cluster_id: first.cluster_id.clone(),
+        pool: first.pool.clone(),
+        rados_namespace: first.rados_namespace.clone(),
+        name: crate::volume::image_base(name),
+    })
+}
+
+fn ignore(kind: ErrorKind, r: crate::Result<()>) -> crate::Result<()> {
+    match r {
+        Err(e) if e.kind() == kind => Ok(()),
+        r => r,
+    }
+}
+
+/// Whether member image `image` is complete and `provisioner`'s member of
+/// group snapshot `group`; a name taken by anything else is a conflict.
+fn member_done(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    image: &str,
+    group: &str,
+    provisioner: &str,
+) -> Result<bool, VolumeError> {
+    let Some(img) = open_if_exists(io, metrics, image)? else {
+        return Ok(false);
+    };
+    let m = timed(metrics, "metadata_list", || img.metadata_list())?;
+    if m.get(META_PROVISIONER).map(String::as_str) != Some(provisioner)
+        || m.get(META_GROUP_SNAPSHOT).map(String::as_str) != Some(group)
+    {
+        return Err(VolumeError::Conflict {
+            image: image.to_owned(),
+            why: format!("it is not a member of group snapshot {group:?}"),
+        });
+    }
+    Ok(timed(metrics, "snap_exists", || {
+        img.snap_exists(SNAP_NAME)
+    })?)
+}
+
+/// The id of source `image`'s part of group snapshot `group`@[`GROUP_SNAP`].
+fn group_snap_id(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    image: &Image,
+    group: &str,
+) -> Result<u64, VolumeError> {
+    for s in timed(metrics, "snap_list", || image.snap_list())? {
+        if timed(metrics, "snap_namespace_type", || {
+            image.snap_namespace_type(s.id)
+        })? != SnapNamespaceType::Group
+        {
+            continue;
+        }
+        let g = timed(metrics, "snap_group_namespace", || {
+            image.snap_group_namespace(s.id)
+        })?;
+        if g.group_pool == io.pool_id() && g.group_name == group && g.group_snap_name == GROUP_SNAP
+        {
+            return Ok(s.id);
+        }
+    }
+    Err(VolumeError::Missing {
+        image: format!("{}@{group}/{GROUP_SNAP} (group snapshot)", image.name()),
+    })
+}
+
+/// Makes member image `target` of `source` from the source's part of the
+/// group snapshot, under the temporary name first.
+#[allow(clippy::too_many_arguments)]
+fn make_member(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    source: &VolumeId,
+    target: &SnapshotId,
+    gid: &GroupSnapshotId,
+    request_name: &str,
+    provisioner: &str,
+) -> Result<(), VolumeError> {
+    let temp = format!("{}{TEMP_SUFFIX}", target.image);
+    // What an interrupted attempt left under the temporary name is redone.
+    ignore(
+        ErrorKind::NotFound,
+        timed(metrics, "remove", || rbd::remove(io, &temp)),
+    )?;
+    let mut src = timed(metrics, "open", || Image::open_read_only(io, &source.image))?;
+    let features = timed(metrics, "features", || src.features())?;
+    let snap_id = group_snap_id(io, metrics, &src, &gid.name)?;
+    let member_features =
+        Features::from_bits(features.bits() & MEMBER_FEATURES.bits()) | Features::LAYERING;
+    let opts = ImageOptions::new()
+        .features(member_features)
+        .clone_format(2)?;
+    let cloned = timed(metrics, "clone4", || {
+        rbd::clone_by_snap_id(io, &source.image, snap_id, io, &temp, &opts)
+    });
+    match cloned {
+        Ok(()) => {}
+        // librbd older than Squid clones from user snapshots only: copy.
+        Err(e) if e.kind() == ErrorKind::NotSupported => {
+            timed(metrics, "snap_set_by_id", || {
+                src.set_snapshot_by_id(snap_id)
+            })?;
+            let copy_opts = ImageOptions::new().features(member_features);
+            timed(metrics, "copy", || src.copy_to(io, &temp, &copy_opts))?;
+        }
+        Err(e) => return Err(e.into()),
+    }
+    drop(src);
+    let img = timed(metrics, "open", || Image::open(io, &temp))?;
+    let records: BTreeMap<&str, String> = [
+        (META_PROVISIONER, provisioner.to_owned()),
+        (META_KIND, KIND_SNAPSHOT.to_owned()),
+        (META_SNAPSHOT, format!("{request_name}/{}", source.image)),
+        (META_SOURCE, source.handle()),
+        (META_CLUSTER, source.cluster_id.clone()),
+        (META_GROUP_SNAPSHOT, gid.name.clone()),
+    ]
+    .into_iter()
+    .collect();
+    for (k, v) in &records {
+        timed(metrics, "metadata_set", || img.metadata_set(k, v))?;
+    }
+    timed(metrics, "snap_create", || img.snap_create(SNAP_NAME))?;
+    timed(metrics, "close", || img.close())?;
+    timed(metrics, "rename", || rbd::rename(io, &temp, &target.image))?;
+    Ok(())
+}
+
+/// Removes the RBD group of `gid` with its snapshot and memberships, if
+/// they are there.
+fn remove_scaffolding(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    gid: &GroupSnapshotId,
+) -> Result<(), VolumeError> {
+    let g = &gid.name;
+    let images = match timed(metrics, "group_image_list", || rbd::group_image_list(io, g)) {
+        Ok(i) => i,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    let snaps = timed(metrics, "group_snap_list", || rbd::group_snap_list(io, g))?;
+    for s in snaps {
+        ignore(
+            ErrorKind::NotFound,
+            timed(metrics, "group_snap_remove", || {
+                rbd::group_snap_remove(io, g, &s.name)
+            }),
+        )?;
+    }
+    for i in images.iter().filter(|i| i.pool_id == io.pool_id()) {
+        ignore(
+            ErrorKind::NotFound,
+            timed(metrics, "group_image_remove", || {
+                rbd::group_image_remove(io, g, io, &i.name)
+            }),
+        )?;
+    }
+    ignore(
+        ErrorKind::NotFound,
+        timed(metrics, "group_remove", || rbd::group_remove(io, g)),
+    )?;
+    Ok(())
+}
+
+/// Makes sure group snapshot `name` of `sources` (volumes of `provisioner`
+/// in one pool, see [`place_of`]) exists, taking it if needed (see the
+/// module doc), and returns it.
+pub fn ensure_group_snapshot(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    sources: &[VolumeId],
+    name: &str,
+    provisioner: &str,
+) -> Result<GroupSnapshotInfo, VolumeError> {
+    let gid = place_of(sources, name).map_err(|why| VolumeError::Refused { why })?;
+    let io = ioctx(cluster, metrics, &sources[0])?;
+    let g = gid.name.clone();
+    let mut missing = Vec::new();
+    for s in sources {
+        let m = gid.member(s, SNAP_NAME);
+        if !member_done(&io, metrics, &m.image, &g, provisioner)? {
+            missing.push((s, m));
+        }
+    }
+    if !missing.is_empty() {
+        let have_snap = match timed(metrics, "group_snap_list", || rbd::group_snap_list(&io, &g)) {
+            Ok(snaps) => snaps
+                .iter()
+                .find(|s| s.name == GROUP_SNAP)
+                .map(|s| s.complete),
+            Err(e) if e.kind() == ErrorKind::NotFound => None,
+            Err(e) => return Err(e.into()),
+        };
+        match have_snap {
+            Some(true) => {}
+            // Members made from another instant would not be one group.
+            None if missing.len() < sources.len() => {
+                return Err(VolumeError::Conflict {
+                    image: gid.to_string(),
+                    why: "some members exist but the group snapshot they came from is gone; delete the group snapshot and take it again".into(),
+                })
+            }
+            incomplete => {
+                for s in sources {
+                    let m = timed(metrics, "open", || Image::open_read_only(&io, &s.image))
+                        .map_err(|e| match e.kind() {
+                            ErrorKind::NotFound => VolumeError::Missing {
+                                image: s.to_string(),
+                            },
+                            _ => e.into(),
+                        })?;
+                    let meta = timed(metrics, "metadata_list", || m.metadata_list())?;
+                    if meta.get(META_PROVISIONER).map(String::as_str) != Some(provisioner)
+                        || meta.contains_key(META_KIND)
+                    {
+                        return Err(VolumeError::NotOwned {
+                            image: s.image.clone(),
+                            why: format!("it is not a volume of {provisioner:?}"),
+                        });
+                    }
+                }
+                ignore(
+                    ErrorKind::AlreadyExists,
+                    timed(metrics, "group_create", || rbd::group_create(&io, &g)),
+                )?;
+                let already = timed(metrics, "group_image_list", || rbd::group_image_list(&io, &g))?;
+                for s in sources {
+                    if already.iter().any(|i| i.name == s.image && i.attached) {
+                        continue;
+                    }
+                    timed(metrics, "group_image_add", || {
+                        rbd::group_image_add(&io, &g, &io, &s.image)
+                    })
+                    .map_err(|e| VolumeError::Conflict {
+                        image: s.image.clone(),
+                        why: format!("it cannot join group {g:?} (in another group snapshot being taken?): {e}"),
+                    })?;
+                }
+                if incomplete == Some(false) {
+                    timed(metrics, "group_snap_remove", || {
+                        rbd::group_snap_remove(&io, &g, GROUP_SNAP)
+                    })?;
+                }
+                timed(metrics, "group_snap_create", || {
+                    rbd::group_snap_create(&io, &g, GROUP_SNAP)
+                })?;
+            }
+        }
+        for (s, m) in &missing {
+            make_member(&io, metrics, s, m, &gid, name, provisioner)?;
+        }
+    }
+    remove_scaffolding(&io, metrics, &gid)?;
+    let members = sources
+        .iter()
+        .map(|s| gid.member(s, SNAP_NAME))
+        .collect::<Vec<_>>();
+    get_members(cluster, metrics, &gid, &members, provisioner)?.ok_or_else(|| {
+        VolumeError::Missing {
+            image: gid.to_string(),
+        }
+    })
+}
+
+fn get_members(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    gid: &GroupSnapshotId,
+    members: &[SnapshotId],
+    provisioner: &str,
+) -> Result<Option<GroupSnapshotInfo>, VolumeError> {
+    let mut out = Vec::new();
+    for m in members {
+        match snap::get_snapshot(cluster, metrics, m, provisioner)? {
+            Some(info) => out.push(info),
+            None => return Ok(None),
+        }
+    }
+    out.sort_by_key(|i| i.id.handle());
+    Ok(Some(GroupSnapshotInfo {
+        id: gid.clone(),
+        members: out,
+    }))
+}
+
+/// The member snapshots of `gid` that `provisioner` made, found by their
+/// records in the group snapshot's pool and namespace.
+fn find_members(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    gid: &GroupSnapshotId,
+    provisioner: &str,
+) -> Result<Vec<SnapshotId>, VolumeError> {
+    let place = VolumeId {
+        cluster_id: gid.cluster_id.clone(),
+        pool: gid.pool.clone(),
+        rados_namespace: gid.rados_namespace.clone(),
+        image: String::new(),
+    };
+    let io = ioctx(cluster, metrics, &place)?;
+    let mut out = Vec::new();
+    for image in timed(metrics, "list", || rbd::list_names(&io))? {
+        // Another client may remove it meanwhile.
+        let Ok(img) = Image::open_read_only(&io, &image) else {
+            continue;
+        };
+        if img.metadata_get(META_PROVISIONER).ok().as_deref() == Some(provisioner)
+            && img.metadata_get(META_GROUP_SNAPSHOT).ok().as_deref() == Some(&gid.name)
+        {
+            out.push(SnapshotId {
+                cluster_id: gid.cluster_id.clone(),
+                pool: gid.pool.clone(),
+                rados_namespace: gid.rados_namespace.clone(),
+                image,
+                snap: SNAP_NAME.to_owned(),
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Group snapshot `gid` if all its members exist. `expected`: the member
+/// ids the caller holds (CSI's `snapshot_ids`); a mismatch is refused.
+pub fn get_group_snapshot(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    gid: &GroupSnapshotId,
+    expected: &[SnapshotId],
+    provisioner: &str,
+) -> Result<Option<GroupSnapshotInfo>, VolumeError> {
+    let mut found = find_members(cluster, metrics, gid, provisioner)?;
+    if found.is_empty() {
+        return Ok(None);
+    }
+    found.sort_by_key(|m| m.handle());
+    check_expected(gid, &found, expected)?;
+    get_members(cluster, metrics, gid, &found, provisioner)
+}
+
+fn check_expected(
+    gid: &GroupSnapshotId,
+    found: &[SnapshotId],
+    expected: &[SnapshotId],
+) -> Result<(), VolumeError> {
+    if let Some(x) = expected.iter().find(|x| !found.contains(x)) {
+        return Err(VolumeError::Refused {
+            why: format!("snapshot_ids: {x} is not a member of {gid}"),
+        });
+    }
+    Ok(())
+}
+
+/// Deletes group snapshot `gid`: each member as a snapshot is deleted, and
+/// any scaffolding an interrupted create left. Done when nothing is left.
+pub fn delete_group_snapshot(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    gid: &GroupSnapshotId,
+    expected: &[SnapshotId],
+    provisioner: &str,
+) -> Result<(), VolumeError> {
+    let found = find_members(cluster, metrics, gid, provisioner)?;
+    let place = VolumeId {
+        cluster_id: gid.cluster_id.clone(),
+        pool: gid.pool.clone(),
+        rados_namespace: gid.rados_namespace.clone(),
+        image: String::new(),
+    };
+    let io = ioctx(cluster, metrics, &place)?;
+    // A member already deleted (a retry, or deleted on its own) is no
+    // mismatch; one that exists outside this group snapshot is.
+    for x in expected.iter().filter(|x| !found.contains(x)) {
+        let elsewhere = x.pool != gid.pool
+            || x.rados_namespace != gid.rados_namespace
+            || open_if_exists(&io, metrics, &x.image)?.is_some();
+        if elsewhere {
+            return Err(VolumeError::Refused {
+                why: format!("snapshot_ids: {x} is not a member of {gid}"),
+            });
+        }
+    }
+    remove_scaffolding(&io, metrics, gid)?;
+    for m in &found {
+        snap::delete_snapshot(cluster, metrics, m, provisioner)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vol(pool: &str, image: &str) -> VolumeId {
+        VolumeId {
+            cluster_id: "c".into(),
+            pool: pool.into(),
+            rados_namespace: String::new(),
+            image: image.into(),
+        }
+    }
+
+    #[test]
+    fn a_group_lives_in_one_pool_with_distinct_members() {
+        let g = place_of(&[vol("rbd", "a"), vol("rbd", "b")], "gs-1").unwrap();
+        assert_eq!((g.pool.as_str(), g.name.as_str()), ("rbd", "gs-1"));
+        assert!(place_of(&[], "x").unwrap_err().contains("empty"));
+        let e = place_of(&[vol("rbd", "a"), vol("other", "b")], "x").unwrap_err();
+        assert!(e.starts_with("source_volume_ids:"), "{e}");
+        let e = place_of(&[vol("rbd", "a"), vol("rbd", "a")], "x").unwrap_err();
+        assert!(e.contains("twice"), "{e}");
+    }
+}

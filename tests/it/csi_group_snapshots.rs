@@ -1,0 +1,370 @@
+//! The CSI GroupController (volume group snapshots) over its unix socket,
+//! as csi-snapshotter's group role drives it, against the real test
+//! cluster: one instant for every member, a member restored as any
+//! snapshot, re-runs adopted, nothing left behind.
+use crate::support;
+
+use rbdkit::csi::proto::group_controller_client::GroupControllerClient;
+use rbdkit::csi::proto::{
+    plugin_capability, volume_content_source, CreateVolumeGroupSnapshotRequest,
+    CreateVolumeRequest, DeleteSnapshotRequest, DeleteVolumeGroupSnapshotRequest,
+    DeleteVolumeRequest, GetPluginCapabilitiesRequest, GetSnapshotRequest,
+    GetVolumeGroupSnapshotRequest, GroupControllerGetCapabilitiesRequest, VolumeContentSource,
+};
+use rbdkit::rbd::{self, Image};
+use rbdkit::volume::{GroupSnapshotId, SnapshotId, VolumeId};
+use support::csi::{mount_cap, CsiEnv, Mode};
+use tonic::Code;
+
+const MIB: i64 = 1 << 20;
+
+fn write(env: &CsiEnv, id: &str, data: &[u8]) {
+    let vol = VolumeId::parse(id).unwrap();
+    let img = Image::open(&env.rbd.ioctx, &vol.image).unwrap();
+    img.write(MIB as u64, data).unwrap();
+    img.flush().unwrap();
+}
+
+fn read(env: &CsiEnv, id: &str, len: usize) -> Vec<u8> {
+    let vol = VolumeId::parse(id).unwrap();
+    let img = Image::open_read_only(&env.rbd.ioctx, &vol.image).unwrap();
+    let mut buf = vec![0u8; len];
+    img.read_exact(MIB as u64, &mut buf).unwrap();
+    buf
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn group_snapshot_is_one_instant_and_a_member_restores() {
+    let env = CsiEnv::new("csi-group", Mode::Controller).await;
+    let caps = env
+        .identity()
+        .await
+        .get_plugin_capabilities(GetPluginCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let group_service = plugin_capability::service::Type::GroupControllerService as i32;
+    assert!(
+        caps.capabilities.iter().any(|c| matches!(
+            &c.r#type,
+            Some(plugin_capability::Type::Service(s)) if s.r#type == group_service
+        )),
+        "{caps:?}"
+    );
+    let mut group = GroupControllerClient::new(support::csi::channel(&env.socket).await);
+    let gcaps = group
+        .group_controller_get_capabilities(GroupControllerGetCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(gcaps.capabilities.len(), 1);
+
+    let a = env.create_volume("pvc-ga", 8 * MIB, mount_cap("xfs")).await;
+    let b = env.create_volume("pvc-gb", 8 * MIB, mount_cap("xfs")).await;
+    write(&env, &a, b"a before");
+    write(&env, &b, b"b before");
+    let req = |name: &str, ids: Vec<String>| CreateVolumeGroupSnapshotRequest {
+        name: name.to_owned(),
+        source_volume_ids: ids,
+        secrets: env.secrets(),
+        parameters: Default::default(),
+    };
+    let gs = group
+        .create_volume_group_snapshot(req("groupsnapshot-1", vec![a.clone(), b.clone()]))
+        .await
+        .unwrap()
+        .into_inner()
+        .group_snapshot
+        .unwrap();
+    write(&env, &a, b"a after!");
+    write(&env, &b, b"b after!");
+    assert!(gs.ready_to_use);
+    assert!(gs.creation_time.is_some());
+    let gid = GroupSnapshotId::parse(&gs.group_snapshot_id).unwrap();
+    assert_eq!(gid.name, "groupsnapshot-1");
+    assert_eq!(gs.snapshots.len(), 2);
+    let mut sources: Vec<&str> = gs
+        .snapshots
+        .iter()
+        .map(|s| s.source_volume_id.as_str())
+        .collect();
+    sources.sort();
+    let mut want = vec![a.as_str(), b.as_str()];
+    want.sort();
+    assert_eq!(sources, want);
+    for s in &gs.snapshots {
+        assert_eq!(s.group_snapshot_id, gs.group_snapshot_id);
+        assert!(s.ready_to_use);
+        // Each member is an ordinary snapshot.
+        SnapshotId::parse(&s.snapshot_id).unwrap();
+        env.controller()
+            .await
+            .get_snapshot(GetSnapshotRequest {
+                snapshot_id: s.snapshot_id.clone(),
+                secrets: env.secrets(),
+            })
+            .await
+            .unwrap();
+    }
+    // No group is left in the pool: the sources are free again.
+    assert!(rbd::group_list(&env.rbd.ioctx).unwrap().is_empty());
+
+    // A re-run (the CO retrying) gets the same group snapshot, of the
+    // first instant.
+    let again = group
+        .create_volume_group_snapshot(req("groupsnapshot-1", vec![b.clone(), a.clone()]))
+        .await
+        .unwrap()
+        .into_inner()
+        .group_snapshot
+        .unwrap();
+    assert_eq!(again.group_snapshot_id, gs.group_snapshot_id);
+    let ids = |g: &rbdkit::csi::proto::VolumeGroupSnapshot| {
+        let mut v: Vec<String> = g.snapshots.iter().map(|s| s.snapshot_id.clone()).collect();
+        v.sort();
+        v
+    };
+    assert_eq!(ids(&again), ids(&gs));
+    let got = group
+        .get_volume_group_snapshot(GetVolumeGroupSnapshotRequest {
+            group_snapshot_id: gs.group_snapshot_id.clone(),
+            snapshot_ids: ids(&gs),
+            secrets: env.secrets(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .group_snapshot
+        .unwrap();
+    assert_eq!(ids(&got), ids(&gs));
+
+    // Restore member a into a new volume: the data of the instant.
+    let member_a = gs
+        .snapshots
+        .iter()
+        .find(|s| s.source_volume_id == a)
+        .unwrap()
+        .snapshot_id
+        .clone();
+    let member_b = gs
+        .snapshots
+        .iter()
+        .find(|s| s.source_volume_id == b)
+        .unwrap()
+        .snapshot_id
+        .clone();
+    let restored = env
+        .controller()
+        .await
+        .create_volume(CreateVolumeRequest {
+            name: "pvc-from-member".into(),
+            volume_capabilities: vec![mount_cap("xfs")],
+            parameters: env.params(),
+            secrets: env.secrets(),
+            volume_content_source: Some(VolumeContentSource {
+                r#type: Some(volume_content_source::Type::Snapshot(
+                    volume_content_source::SnapshotSource {
+                        snapshot_id: member_a.clone(),
+                    },
+                )),
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(read(&env, &restored.volume_id, 8), b"a before");
+    let restored_b = env
+        .controller()
+        .await
+        .create_volume(CreateVolumeRequest {
+            name: "pvc-from-member-b".into(),
+            volume_capabilities: vec![mount_cap("xfs")],
+            parameters: env.params(),
+            secrets: env.secrets(),
+            volume_content_source: Some(VolumeContentSource {
+                r#type: Some(volume_content_source::Type::Snapshot(
+                    volume_content_source::SnapshotSource {
+                        snapshot_id: member_b,
+                    },
+                )),
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(read(&env, &restored_b.volume_id, 8), b"b before");
+
+    // Bad requests name the field.
+    for (r, code, field) in [
+        (req("", vec![a.clone()]), Code::InvalidArgument, "name"),
+        (
+            req("gs-2", vec![]),
+            Code::InvalidArgument,
+            "source_volume_ids",
+        ),
+        (
+            req("gs-2", vec![a.clone(), a.clone()]),
+            Code::InvalidArgument,
+            "source_volume_ids",
+        ),
+        (
+            req("gs-2", vec!["fake-vol-id".into()]),
+            Code::NotFound,
+            "source_volume_ids",
+        ),
+    ] {
+        let e = group.create_volume_group_snapshot(r).await.unwrap_err();
+        assert_eq!(e.code(), code, "{e}");
+        assert!(e.message().contains(field), "{e}");
+    }
+    let e = group
+        .get_volume_group_snapshot(GetVolumeGroupSnapshotRequest {
+            group_snapshot_id: gs.group_snapshot_id.clone(),
+            snapshot_ids: vec![restored.volume_id.replace("rbdkit1/", "rbdkit1-snap/") + "@x"],
+            secrets: env.secrets(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("snapshot_ids"), "{e}");
+
+    // The restores outlive the group snapshot.
+    let delete = || DeleteVolumeGroupSnapshotRequest {
+        group_snapshot_id: gs.group_snapshot_id.clone(),
+        snapshot_ids: ids(&gs),
+        secrets: env.secrets(),
+    };
+    group.delete_volume_group_snapshot(delete()).await.unwrap();
+    group.delete_volume_group_snapshot(delete()).await.unwrap();
+    let e = group
+        .get_volume_group_snapshot(GetVolumeGroupSnapshotRequest {
+            group_snapshot_id: gs.group_snapshot_id.clone(),
+            snapshot_ids: Vec::new(),
+            secrets: env.secrets(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e}");
+    // A member deleted on its own is gone too.
+    env.controller()
+        .await
+        .delete_snapshot(DeleteSnapshotRequest {
+            snapshot_id: member_a,
+            secrets: env.secrets(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(read(&env, &restored.volume_id, 8), b"a before");
+    for id in [restored.volume_id, restored_b.volume_id, a, b] {
+        env.controller()
+            .await
+            .delete_volume(DeleteVolumeRequest {
+                volume_id: id,
+                secrets: env.secrets(),
+            })
+            .await
+            .unwrap();
+    }
+    let left: Vec<String> = rbd::list_names(&env.rbd.ioctx).unwrap();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn group_snapshot_create_adopts_what_an_interrupted_run_left() {
+    let env = CsiEnv::new("csi-group-crash", Mode::Controller).await;
+    let mut group = GroupControllerClient::new(support::csi::channel(&env.socket).await);
+    let a = env.create_volume("pvc-ca", 8 * MIB, mount_cap("xfs")).await;
+    let b = env.create_volume("pvc-cb", 8 * MIB, mount_cap("xfs")).await;
+    let (va, vb) = (VolumeId::parse(&a).unwrap(), VolumeId::parse(&b).unwrap());
+    write(&env, &a, b"a instant");
+    write(&env, &b, b"b instant");
+    // As a run killed right after taking the RBD group snapshot, and while
+    // it was making member b under its temporary name, leaves things.
+    let io = &env.rbd.ioctx;
+    rbd::group_create(io, "gs-crash").unwrap();
+    rbd::group_image_add(io, "gs-crash", io, &va.image).unwrap();
+    rbd::group_image_add(io, "gs-crash", io, &vb.image).unwrap();
+    rbd::group_snap_create(io, "gs-crash", "rbdkit").unwrap();
+    let temp = format!("gs-crash-{}.rbdkit-new", vb.image);
+    rbd::create(io, &temp, MIB as u64, &Default::default()).unwrap();
+    write(&env, &a, b"a later!!");
+    write(&env, &b, b"b later!!");
+
+    let req = || CreateVolumeGroupSnapshotRequest {
+        name: "gs-crash".into(),
+        source_volume_ids: vec![a.clone(), b.clone()],
+        secrets: env.secrets(),
+        parameters: Default::default(),
+    };
+    let gs = group
+        .create_volume_group_snapshot(req())
+        .await
+        .unwrap()
+        .into_inner()
+        .group_snapshot
+        .unwrap();
+    // The re-run used the instant the first run took, not a new one.
+    for s in &gs.snapshots {
+        let sid = SnapshotId::parse(&s.snapshot_id).unwrap();
+        let img = Image::open_read_only(io, &sid.image).unwrap();
+        let mut buf = [0u8; 9];
+        img.read_exact(MIB as u64, &mut buf).unwrap();
+        let want: &[u8] = if s.source_volume_id == a {
+            b"a instant"
+        } else {
+            b"b instant"
+        };
+        assert_eq!(&buf[..], want);
+    }
+    assert!(rbd::group_list(io).unwrap().is_empty());
+    let names = rbd::list_names(io).unwrap();
+    assert!(!names.contains(&temp), "{names:?}");
+
+    // A member deleted on its own, the group snapshot gone: a re-run cannot
+    // make it again from the same instant, and says so.
+    let member_b = gs
+        .snapshots
+        .iter()
+        .find(|s| s.source_volume_id == b)
+        .unwrap()
+        .snapshot_id
+        .clone();
+    env.controller()
+        .await
+        .delete_snapshot(DeleteSnapshotRequest {
+            snapshot_id: member_b,
+            secrets: env.secrets(),
+        })
+        .await
+        .unwrap();
+    let e = group.create_volume_group_snapshot(req()).await.unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "{e}");
+    assert!(e.message().contains("take it again"), "{e}");
+
+    group
+        .delete_volume_group_snapshot(DeleteVolumeGroupSnapshotRequest {
+            group_snapshot_id: gs.group_snapshot_id.clone(),
+            snapshot_ids: Vec::new(),
+            secrets: env.secrets(),
+        })
+        .await
+        .unwrap();
+    for id in [a, b] {
+        env.controller()
+            .await
+            .delete_volume(DeleteVolumeRequest {
+                volume_id: id,
+                secrets: env.secrets(),
+            })
+            .await
+            .unwrap();
+    }
+    let left: Vec<String> = rbd::list_names(io).unwrap();
+    assert!(left.is_empty(), "left behind: {left:?}");
+}
