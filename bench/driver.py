@@ -10,6 +10,7 @@ See bench/README.md.
 import argparse
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -155,6 +156,17 @@ def settle():
 
 class RunError(Exception):
     pass
+
+
+def parse_rbd_bench(out):
+    """(ops/sec, ops) from `rbd bench`'s summary line; ops/sec may be inf."""
+    m = re.search(r"elapsed:\s*[\d.]+\s+ops:\s*(\d+)\s+ops/sec:\s*([\w.+-]+)", out)
+    if not m:
+        raise RunError(f"rbd bench: cannot parse {out[-300:]!r}")
+    try:
+        return float(m.group(2)), int(m.group(1))
+    except ValueError:
+        raise RunError(f"rbd bench: cannot parse ops/sec in {out[-300:]!r}") from None
 
 
 def run_proc(cmd, env=None, timeout=RUN_TIMEOUT):
@@ -366,16 +378,23 @@ class Contenders:
         # full-seq: op i at block i, like the other contenders (rbd bench's
         # "seq" instead gives each of its io-threads a separate region).
         pattern = "rand" if workload.startswith("rand") else "full-seq"
-        out, wall, rss, cpu = run_proc(["rbd", "-c", self.cl.conf, "bench", "--io-type", io_type,
-                                   "--io-size", str(bs), "--io-threads", str(qd),
-                                   "--io-total", str(bs * ops), "--io-pattern", pattern,
-                                   f"{POOL}/{image}"], self.env)
-        m = re.search(r"elapsed:\s*([\d.]+)\s+ops:\s*(\d+)\s+ops/sec:\s*([\d.]+)", out)
-        if not m:
-            raise RunError(f"rbd bench: cannot parse {out[-300:]!r}")
-        iops = float(m.group(3))
+        # rbd bench divides by its own coarse clock: a run shorter than a
+        # tick prints "ops/sec: inf" (seen in smoke runs of 50 ops on an idle
+        # machine). Such a run is too short to time, not a failure: run it
+        # again with ten times the ops, up to three times.
+        for _ in range(4):
+            out, wall, rss, cpu = run_proc(["rbd", "-c", self.cl.conf, "bench", "--io-type", io_type,
+                                       "--io-size", str(bs), "--io-threads", str(qd),
+                                       "--io-total", str(bs * ops), "--io-pattern", pattern,
+                                       f"{POOL}/{image}"], self.env)
+            iops, done = parse_rbd_bench(out)
+            if math.isfinite(iops) and iops > 0:
+                break
+            ops *= 10
+        else:
+            raise RunError(f"rbd bench: no finite ops/sec at {ops // 10} ops: {out[-300:]!r}")
         return {"contender": "rbd-bench", "workload": workload, "bs": bs, "qd": qd,
-                "ops": int(m.group(2)), "iops": iops, "mib_s": iops * bs / MiB,
+                "ops": done, "iops": iops, "mib_s": iops * bs / MiB,
                 "peak_rss_kib": rss, "cpu_s": cpu}
 
     def measured(self, fn):
