@@ -565,19 +565,7 @@ impl Controller for ControllerService {
         req: Request<ListVolumesRequest>,
     ) -> Result<Response<ListVolumesResponse>, Status> {
         let req = req.into_inner();
-        if req.max_entries < 0 {
-            return Err(Status::invalid_argument("max_entries is negative"));
-        }
-        let start: usize = if req.starting_token.is_empty() {
-            0
-        } else {
-            req.starting_token.parse().map_err(|_| {
-                Status::aborted(format!(
-                    "starting_token {:?} is not one this driver returned",
-                    req.starting_token
-                ))
-            })?
-        };
+        let start = page_start(req.max_entries, &req.starting_token)?;
         let mut all: Vec<(String, u64)> = self
             .scan_volumes(false)
             .await?
@@ -786,19 +774,7 @@ impl Controller for ControllerService {
         req: Request<ListSnapshotsRequest>,
     ) -> Result<Response<ListSnapshotsResponse>, Status> {
         let req = req.into_inner();
-        if req.max_entries < 0 {
-            return Err(Status::invalid_argument("max_entries is negative"));
-        }
-        let start: usize = if req.starting_token.is_empty() {
-            0
-        } else {
-            req.starting_token.parse().map_err(|_| {
-                Status::aborted(format!(
-                    "starting_token {:?} is not one this driver returned",
-                    req.starting_token
-                ))
-            })?
-        };
+        let start = page_start(req.max_entries, &req.starting_token)?;
         let empty = || {
             Ok(Response::new(ListSnapshotsResponse {
                 entries: Vec::new(),
@@ -987,19 +963,7 @@ impl Controller for ControllerService {
         req: Request<ControllerListVolumeHealthRequest>,
     ) -> Result<Response<ControllerListVolumeHealthResponse>, Status> {
         let req = req.into_inner();
-        if req.max_entries < 0 {
-            return Err(Status::invalid_argument("max_entries is negative"));
-        }
-        let start: usize = if req.starting_token.is_empty() {
-            0
-        } else {
-            req.starting_token.parse().map_err(|_| {
-                Status::aborted(format!(
-                    "starting_token {:?} is not one this driver returned",
-                    req.starting_token
-                ))
-            })?
-        };
+        let start = page_start(req.max_entries, &req.starting_token)?;
         // Only the volumes something is wrong with.
         let abnormal: Vec<VolumeHealth> = self
             .scan_volumes(true)
@@ -1053,6 +1017,22 @@ fn pool_max_avail(cluster: &crate::rados::Cluster, pool: &str) -> crate::Result<
         .ok_or_else(|| crate::Error::from_errno(libc::ENOENT, "ceph df", pool.to_owned()))
 }
 
+/// The first index of a List call's page: `starting_token` is an index this
+/// driver returned (empty: 0), and `max_entries` must not be negative.
+fn page_start(max_entries: i32, starting_token: &str) -> Result<usize, Status> {
+    if max_entries < 0 {
+        return Err(Status::invalid_argument("max_entries is negative"));
+    }
+    if starting_token.is_empty() {
+        return Ok(0);
+    }
+    starting_token.parse().map_err(|_| {
+        Status::aborted(format!(
+            "starting_token {starting_token:?} is not one this driver returned"
+        ))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1067,6 +1047,18 @@ mod tests {
                 AccessType::Mount(Default::default())
             }),
         }
+    }
+
+    #[test]
+    fn a_page_starts_at_a_returned_token_and_refuses_bad_input() {
+        assert_eq!(page_start(0, "").unwrap(), 0);
+        assert_eq!(page_start(5, "7").unwrap(), 7);
+        let neg = page_start(-1, "").unwrap_err();
+        assert_eq!(neg.code(), tonic::Code::InvalidArgument);
+        assert!(neg.message().contains("max_entries"), "{neg:?}");
+        let bad = page_start(0, "x1").unwrap_err();
+        assert_eq!(bad.code(), tonic::Code::Aborted);
+        assert!(bad.message().contains("\"x1\""), "{bad:?}");
     }
 
     #[test]

@@ -291,10 +291,7 @@ impl NodeService {
                 Ok((c.fsid()?, features))
             })
             .await
-            .map_err(|e| match e {
-                VolumeError::Ceph(e) => status_of(&e),
-                other => Status::internal(other.to_string()),
-            })
+            .map_err(ceph_call_status)
     }
 
     fn mapper(&self, name: &str) -> Result<Arc<dyn Mapper>, Status> {
@@ -375,10 +372,7 @@ impl NodeService {
                 Ok(f(&lock)?)
             })
             .await
-            .map_err(|e| match e {
-                VolumeError::Ceph(e) => status_of(&e),
-                other => Status::internal(other.to_string()),
-            })
+            .map_err(ceph_call_status)
     }
 
     /// Takes the staging lock of `vol` in `mode` for this node. Another
@@ -1449,5 +1443,14 @@ impl Node for NodeService {
             max_volumes_per_node: 0,
             accessible_topology: topology,
         }))
+    }
+}
+
+/// The status of a node-side Ceph call ([`Driver::ceph`]), whose closure
+/// fails only with library errors: anything else is INTERNAL.
+fn ceph_call_status(e: VolumeError) -> Status {
+    match e {
+        VolumeError::Ceph(e) => status_of(&e),
+        other => Status::internal(other.to_string()),
     }
 }
