@@ -68,10 +68,13 @@ fn link_layout() {
         return;
     }
     let dir = env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR");
-    let order = Path::new(&dir).join("link").join("rbdkit.order");
-    if !order.is_file() {
+    if !Path::new(&dir).join("link").join("rbdkit.order").is_file() {
         return;
     }
+    // Relative: the linker runs in the package's root, and this output is
+    // reused by every clone that shares a target dir (scripts/cargo-target),
+    // so an absolute path would name whichever clone built it first.
+    let order = Path::new("link").join("rbdkit.order");
     // Names missing from the binary (the file is older than the code) are
     // skipped, so a stale file costs memory, never a failed link.
     for arg in [
