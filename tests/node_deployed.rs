@@ -179,6 +179,7 @@ impl Stack {
             .join(format!("nd-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&base);
         std::fs::create_dir_all(&base).unwrap();
+        support::process::register_dir(&base);
         let ip = node_ip();
         let ceph_dir = base.join("ceph");
         let out = run(
@@ -282,7 +283,8 @@ impl Stack {
             "route_localnet",
             Command::new("sysctl").arg(format!("net.ipv4.conf.{bridge}.route_localnet=1")),
         );
-        let comment = format!("rbdkit-test-{}", std::process::id());
+        // Tagged with the run, whose reaper deletes them if it is killed.
+        let comment = support::process::rule_comment();
         for (chain, iface) in [("PREROUTING", Some(&bridge)), ("OUTPUT", None)] {
             let mut rule = vec![chain.to_owned()];
             if let Some(i) = iface {

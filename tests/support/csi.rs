@@ -88,6 +88,7 @@ impl CsiEnv {
             .prefix("rbdkit-csi-")
             .tempdir_in("/tmp")
             .expect("tempdir");
+        super::process::register_dir(dir.path());
         let mons = ceph.conf_value("mon host").expect("mon host in ceph.conf");
         let config = json!([{
             "clusterID": cluster_id,

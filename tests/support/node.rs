@@ -85,6 +85,9 @@ fn launch(cp: &ControlPlane) -> Result<Node, String> {
         .tempdir_in("/tmp")
         .map_err(|e| format!("cannot create a node directory: {e}"))?
         .keep();
+    // Its containers run with an environment of their own: the run's reaper
+    // finds the node by its dir (`scripts/k8s-test-node down`).
+    super::process::register_dir(&dir);
     let out = Command::new(script())
         .arg("up")
         .arg(&dir)
@@ -391,6 +394,7 @@ impl NodePlugin {
             .prefix("rbdkit-np-")
             .tempdir_in("/tmp")
             .expect("tempdir");
+        super::process::register_dir(dir.path());
         let d = dir.path();
         let rbdkit = Path::new(env!("CARGO_BIN_EXE_rbdkit"));
         let mapper_sock = d.join("mapper.sock");

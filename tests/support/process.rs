@@ -117,6 +117,39 @@ impl Proc {
     }
 }
 
+/// Registers `dir` with the test run this process belongs to
+/// (`RBDKIT_TEST_RUN_DIR`, set by `scripts/test`): if the run is killed
+/// before its clean-up, `scripts/test-reap` unmounts what is under `dir`,
+/// detaches its loop devices, takes down a node, control plane or cluster
+/// in it, and removes it. Outside a run it does nothing.
+pub fn register_dir(dir: &Path) {
+    use std::io::Write;
+    let Some(run) = std::env::var_os("RBDKIT_TEST_RUN_DIR") else {
+        return;
+    };
+    let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+    // One short O_APPEND write per line: concurrent writers do not mix.
+    let line = format!("{}\n", dir.display());
+    let appended = std::fs::OpenOptions::new()
+        .append(true)
+        .open(Path::new(&run).join("dirs"))
+        .and_then(|mut f| f.write_all(line.as_bytes()));
+    if let Err(e) = appended {
+        eprintln!("cannot register {} with the test run: {e}", dir.display());
+    }
+}
+
+/// The iptables comment that tags a rule as this test run's, so that
+/// `scripts/test-reap` deletes it if the run is killed: `rbdkit-test:<run
+/// id>`, or `rbdkit-test:pid-<pid>` outside `scripts/test` (deleted once that
+/// process is gone).
+pub fn rule_comment() -> String {
+    match std::env::var("RBDKIT_TEST_RUN") {
+        Ok(id) if !id.is_empty() => format!("rbdkit-test:{id}"),
+        _ => format!("rbdkit-test:pid-{}", std::process::id()),
+    }
+}
+
 /// The last `n` lines of the file at `path`.
 pub fn tail(path: &Path, n: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
