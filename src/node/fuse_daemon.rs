@@ -225,6 +225,43 @@ const UNBIND_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long detach waits for in-flight requests before closing the image.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Test-only hook, off unless this variable is set (no deploy manifest
+/// sets it; see [`held_for_test`]): the folder of the `hold` file.
+const TEST_HOLD_WRITES_ENV: &str = "RBDKIT_FUSE_TEST_HOLD_WRITES";
+
+/// The folder [`TEST_HOLD_WRITES_ENV`] names, read once; `None` (the
+/// default, always in production) leaves the hook off.
+fn test_hold_dir() -> Option<&'static Path> {
+    static DIR: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| std::env::var_os(TEST_HOLD_WRITES_ENV).map(PathBuf::from))
+        .as_deref()
+}
+
+/// Test-only: lets the tests of a worker's `kill -9` with a request in
+/// flight (`tests/it/node_fuse.rs`) make that race happen every time,
+/// instead of hoping the kill lands before the answer. With
+/// `RBDKIT_FUSE_TEST_HOLD_WRITES=<dir>` set, a WRITE that arrives while
+/// `<dir>/hold` exists claims it (renames it to `<dir>/held`, so one
+/// request per `hold` file, and a next worker holds nothing unless armed
+/// again) and is never answered by this worker: it stays read and not
+/// answered in the journal until the worker dies, and the next one serves
+/// it again. Returns the reply to answer, or `None` when it is held.
+fn held_for_test(reply: Reply) -> Option<Reply> {
+    static HELD: Mutex<Vec<Reply>> = Mutex::new(Vec::new());
+    let Some(dir) = test_hold_dir() else {
+        return Some(reply);
+    };
+    if std::fs::rename(dir.join("hold"), dir.join("held")).is_err() {
+        return Some(reply);
+    }
+    tracing::warn!(
+        ?reply,
+        "test hook: holding a WRITE unanswered until this worker dies"
+    );
+    HELD.lock().unwrap_or_else(|e| e.into_inner()).push(reply);
+    None
+}
+
 /// One attachment as recorded in the state file (no key).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Record {
@@ -584,6 +621,9 @@ impl fk::Handler for Fs {
                 if w.offset.saturating_add(w.size as u64) > n.size.load(Ordering::SeqCst) {
                     return reply.error(libc::ENOSPC);
                 }
+                let Some(reply) = held_for_test(reply) else {
+                    return;
+                };
                 let Some((image, reply)) = n.image(hdr, reply) else {
                     return;
                 };
@@ -1949,6 +1989,13 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
     }
     crate::node::fuse_supervisor::no_core_dumps();
     crate::telemetry::init(crate::telemetry::LogFormat::Text);
+    if let Some(dir) = test_hold_dir() {
+        tracing::warn!(
+            dir = %dir.display(),
+            "test hook {TEST_HOLD_WRITES_ENV} is set: a WRITE arriving while `hold` exists \
+             in that folder is never answered (for tests only)"
+        );
+    }
     let state_dir = args.state_dir.clone();
     std::fs::create_dir_all(&state_dir).map_err(|e| io_err(e, "mkdir", &state_dir))?;
     std::fs::set_permissions(&state_dir, std::fs::Permissions::from_mode(0o700))

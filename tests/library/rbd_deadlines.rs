@@ -17,15 +17,39 @@ fn slow_opts() -> ImageOptions {
     ImageOptions::new().features(Features::LAYERING)
 }
 
-/// Asserts a deadline error came soon after the deadline (the whole
-/// operation takes seconds here).
-fn assert_stopped(r: rbdkit::Result<()>, started: Instant, what: &str) {
+/// The deadline each test gives the slow call.
+const DEADLINE: Duration = Duration::from_millis(200);
+
+/// How long after its deadline a stopped call may return at most: the
+/// progress callback that sees the deadline comes after the object in
+/// flight, and a machine at load 10 is slow to schedule us. How soon it
+/// must return is measured against the whole operation instead (see
+/// [`assert_early`]); a call that ignored its deadline does not return an
+/// error at all (the image is gone, flattened), which each test checks too.
+const SLACK: Duration = Duration::from_secs(10);
+
+/// Asserts a deadline error (the call had `DEADLINE` from `started`), and
+/// returns how long the call took.
+fn assert_stopped(r: rbdkit::Result<()>, started: Instant, what: &str) -> Duration {
+    let took = started.elapsed();
     let e = r.expect_err(what);
     assert_eq!(e.kind(), ErrorKind::TimedOut, "{what}: {e}");
     assert!(
-        started.elapsed() < Duration::from_millis(1500),
-        "{what} stopped only after {:?}",
-        started.elapsed()
+        took < DEADLINE + SLACK,
+        "{what} stopped only after {took:?}"
+    );
+    eprintln!("{what} stopped after {took:?}");
+    took
+}
+
+/// Asserts the stopped call came back soon after its deadline: well before
+/// the whole operation, run to its end on the same machine right after,
+/// took (seconds here; on a loaded machine both are slower).
+fn assert_early(stopped: Duration, whole: Duration, what: &str) {
+    eprintln!("full {what} took {whole:?}");
+    assert!(
+        stopped < DEADLINE + whole.saturating_sub(DEADLINE) / 2,
+        "{what} stopped only after {stopped:?}, while all of it took {whole:?}"
     );
 }
 
@@ -34,8 +58,8 @@ fn remove_stops_at_its_deadline_and_a_retry_finishes() {
     let ns = TestNs::new("dl-remove");
     rbd::create(&ns.ioctx, "big", 64 * GIB, &slow_opts()).unwrap();
     let t = Instant::now();
-    let r = rbd::remove_with_deadline(&ns.ioctx, "big", t + Duration::from_millis(200));
-    assert_stopped(r, t, "remove");
+    let r = rbd::remove_with_deadline(&ns.ioctx, "big", t + DEADLINE);
+    let stopped = assert_stopped(r, t, "remove");
     assert_eq!(
         rbd::list_names(&ns.ioctx).unwrap(),
         vec!["big"],
@@ -43,7 +67,7 @@ fn remove_stops_at_its_deadline_and_a_retry_finishes() {
     );
     let t = Instant::now();
     rbd::remove_with_deadline(&ns.ioctx, "big", t + Duration::from_secs(600)).unwrap();
-    eprintln!("full remove took {:?}", t.elapsed());
+    assert_early(stopped, t.elapsed(), "remove");
     assert!(rbd::list_names(&ns.ioctx).unwrap().is_empty());
     // Other failures keep their kind, even past the deadline.
     let e = rbd::remove_with_deadline(&ns.ioctx, "big", Instant::now()).unwrap_err();
@@ -60,15 +84,15 @@ fn trash_remove_stops_at_its_deadline_and_keeps_the_entry() {
         .unwrap();
     rbd::trash_move(&ns.ioctx, "big", Duration::ZERO).unwrap();
     let t = Instant::now();
-    let r = rbd::trash_remove_with_deadline(&ns.ioctx, &id, true, t + Duration::from_millis(200));
-    assert_stopped(r, t, "trash remove");
+    let r = rbd::trash_remove_with_deadline(&ns.ioctx, &id, true, t + DEADLINE);
+    let stopped = assert_stopped(r, t, "trash remove");
     assert!(rbd::trash_list(&ns.ioctx)
         .unwrap()
         .iter()
         .any(|e| e.id == id));
     let t = Instant::now();
     rbd::trash_remove_with_deadline(&ns.ioctx, &id, true, t + Duration::from_secs(600)).unwrap();
-    eprintln!("full trash remove took {:?}", t.elapsed());
+    assert_early(stopped, t.elapsed(), "trash remove");
     assert!(rbd::trash_list(&ns.ioctx).unwrap().is_empty());
 }
 
@@ -83,17 +107,13 @@ fn flatten_stops_at_its_deadline_and_a_retry_finishes() {
     rbd::clone(&ns.ioctx, "parent", "s", &ns.ioctx, "child", &slow_opts()).unwrap();
     let child = Image::open(&ns.ioctx, "child").unwrap();
     let t = Instant::now();
-    assert_stopped(
-        child.flatten_with_deadline(t + Duration::from_millis(200)),
-        t,
-        "flatten",
-    );
+    let stopped = assert_stopped(child.flatten_with_deadline(t + DEADLINE), t, "flatten");
     assert!(child.parent().unwrap().is_some(), "still a clone");
     let t = Instant::now();
     child
         .flatten_with_deadline(t + Duration::from_secs(600))
         .unwrap();
-    eprintln!("full flatten took {:?}", t.elapsed());
+    assert_early(stopped, t.elapsed(), "flatten");
     assert!(child.parent().unwrap().is_none());
     let mut buf = [0u8; 15];
     child.read_exact(0, &mut buf).unwrap();
