@@ -26,6 +26,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from node import admin_key, mon_host  # noqa: E402 - bench/node.py
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def logs_dir(prefix):
+    """A temp dir for a section's logs, kept after the bench for reading. In
+    a test run (scripts/test) it is registered with the run, whose clean-up
+    (scripts/test-reap) removes it, also after a kill -9."""
+    d = tempfile.mkdtemp(prefix=prefix)
+    run = os.environ.get("RBDKIT_TEST_RUN_DIR")
+    if run:
+        with open(Path(run, "dirs"), "a") as f:
+            f.write(d + "\n")
+    return d
+
+
 CREATORS = 16  # client threads creating / deleting objects
 WAIT_S = 900  # bound on any one phase
 PROVISIONER = "burst.rbdkit.bench"
@@ -485,7 +499,7 @@ def clusters_config(tmpdir, conf):
 
 def section_burst(c, cfg, errors, tag, rbdkit_bin, pool):
     n, rounds_n, n_rss = cfg["burst_claims"], cfg["burst_rounds"], cfg["burst_rss_pvs"]
-    tmpdir = tempfile.mkdtemp(prefix="rbdkit-bench-burst.")
+    tmpdir = logs_dir("rbdkit-bench-burst.")
     cp_dir = Path(tmpdir, "cp")
     log("starting the test control plane")
     kubeconfig, why = control_plane_up(cp_dir)

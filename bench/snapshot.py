@@ -9,7 +9,6 @@ in the same session. See bench/README.md, section 7.
 import json
 import re
 import subprocess
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -316,7 +315,7 @@ def section_snapshot(c, cfg, errors, tag, rbdkit_bin, pool):
     import rados
     size, written, rounds_n = cfg["snapshot_image_bytes"], cfg["snapshot_written_bytes"], \
         cfg["snapshot_rounds"]
-    tmpdir = tempfile.mkdtemp(prefix="rbdkit-bench-snapshot.")
+    tmpdir = burst.logs_dir("rbdkit-bench-snapshot.")
     sc_script = REPO / "scripts" / "snapshot-controller"
     cp_dir, sc_dir = Path(tmpdir, "cp"), Path(tmpdir, "snapshot-controller")
     out = {"image_bytes": size, "written_bytes": written, "rounds": []}
