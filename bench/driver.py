@@ -219,23 +219,32 @@ def build_rbdkit(smoke):
     """rbdkit-bench: release for a full run; for smoke the debug build, whose
     dependencies the test run has already built (smoke proves every
     contender runs, not how fast)."""
-    target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
-    profile = [] if smoke else ["--release"]
-    log(f"building rbdkit-bench (cargo build {' '.join(profile + ['-p', 'rbdkit-bench'])})")
-    subprocess.run(["cargo", "build", *profile, "-p", "rbdkit-bench"], cwd=REPO, check=True,
-                   stdout=sys.stderr)
-    return target / ("debug" if smoke else "release") / "rbdkit-bench"
+    return cargo_built(smoke, "rbdkit-bench", ["-p", "rbdkit-bench"])
 
 
 def build_mapper(smoke):
     """The `rbdkit` binary for the node group's `rbdkit fuse-mapper`: release
     for a full run; for smoke the debug build CI already has from the tests."""
+    return cargo_built(smoke, "rbdkit", ["--bin", "rbdkit"])
+
+
+def cargo_built(smoke, name, args):
+    """The binary `name` after `cargo build ARGS` (release unless smoke).
+    With RBDKIT_BENCH_PREBUILT=1 a smoke run takes the debug binary a
+    build already made, without cargo: scripts/test runs the smoke beside
+    a `cargo test`, which holds the target dir's lock meanwhile."""
     target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
+    binary = target / ("debug" if smoke else "release") / name
+    if smoke and os.environ.get("RBDKIT_BENCH_PREBUILT") == "1":
+        if not binary.is_file():
+            raise OSError(f"RBDKIT_BENCH_PREBUILT=1 but {binary} was not built "
+                          "(cargo build --workspace --all-targets makes it)")
+        log(f"using the prebuilt {binary}")
+        return binary
     profile = [] if smoke else ["--release"]
-    log(f"building rbdkit (cargo build {' '.join(profile + ['--bin', 'rbdkit'])})")
-    subprocess.run(["cargo", "build", *profile, "--bin", "rbdkit"], cwd=REPO, check=True,
-                   stdout=sys.stderr)
-    return target / ("debug" if smoke else "release") / "rbdkit"
+    log(f"building {name} (cargo build {' '.join(profile + args)})")
+    subprocess.run(["cargo", "build", *profile, *args], cwd=REPO, check=True, stdout=sys.stderr)
+    return binary
 
 
 def build_goceph():
