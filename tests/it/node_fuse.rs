@@ -1575,35 +1575,35 @@ fn a_failed_reopen_is_retried_and_a_lasting_one_fails_cleanly() {
     d.mapper().unmap("vol-r", &[]).unwrap();
 }
 
-/// TCP ports of `pid`'s established connections (`ss -tnp`).
-fn tcp_ports_of(pid: u32) -> Vec<u16> {
+/// The fields of `pid`'s established TCP connections (`ss -tnpH`: state
+/// filtered, so Recv-Q, Send-Q, local, peer, process).
+fn established_of(pid: u32) -> Vec<Vec<String>> {
     let out = Command::new("ss")
         .args(["-tnpH", "state", "established"])
         .output()
         .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
     let tag = format!("pid={pid},");
-    text.lines()
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
         .filter(|l| l.contains(&tag))
-        .filter_map(|l| {
-            let local = l.split_whitespace().nth(2)?;
-            local.rsplit(':').next()?.parse().ok()
-        })
+        .map(|l| l.split_whitespace().map(str::to_owned).collect())
+        .collect()
+}
+
+/// TCP ports of `pid`'s established connections.
+fn tcp_ports_of(pid: u32) -> Vec<u16> {
+    established_of(pid)
+        .iter()
+        .filter_map(|f| f.get(2)?.rsplit(':').next()?.parse().ok())
         .collect()
 }
 
 /// The most bytes sent and not yet acknowledged (`Send-Q`) in one of
-/// `pid`'s established TCP connections (`ss -tnp`).
+/// `pid`'s established TCP connections.
 fn tcp_unacked_of(pid: u32) -> u64 {
-    let out = Command::new("ss")
-        .args(["-tnpH", "state", "established"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    let tag = format!("pid={pid},");
-    text.lines()
-        .filter(|l| l.contains(&tag))
-        .filter_map(|l| l.split_whitespace().nth(1)?.parse().ok())
+    established_of(pid)
+        .iter()
+        .filter_map(|f| f.get(1)?.parse().ok())
         .max()
         .unwrap_or(0)
 }
