@@ -137,6 +137,17 @@ pub struct ContentStatus {
     /// Whether restores can be made.
     #[serde(default)]
     pub ready_to_use: Option<bool>,
+    /// The last error creating or checking the snapshot.
+    #[serde(default)]
+    pub error: Option<SnapshotError>,
+}
+
+/// `VolumeSnapshotContent.status.error`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct SnapshotError {
+    /// What went wrong.
+    #[serde(default)]
+    pub message: Option<String>,
 }
 
 impl Resource for VolumeSnapshotContent {
@@ -357,7 +368,20 @@ async fn report_error(content: &VolumeSnapshotContent, ctx: &Context, reason: &s
     ctx.events
         .warning(&content.object_ref(&()), reason, why)
         .await;
-    let patch = json!({"status": {"error": {"message": crate::k8s::events::clip(why), "time": now_rfc3339()}}});
+    let message = crate::k8s::events::clip(why);
+    // Written again, the new time would be a change that wakes this
+    // reconciler at once: a loop on the API server with no backoff, which
+    // also kept the snapshot-controller from copying the error to the
+    // VolumeSnapshot on a loaded machine.
+    let current = content
+        .status
+        .as_ref()
+        .and_then(|s| s.error.as_ref())
+        .and_then(|e| e.message.as_deref());
+    if current == Some(message.as_str()) {
+        return;
+    }
+    let patch = json!({"status": {"error": {"message": message, "time": now_rfc3339()}}});
     if let Err(e) = api(ctx)
         .patch_status(
             &content.name_any(),
