@@ -174,7 +174,7 @@ fn k8s_modes(cap: &VolumeCapability) -> Result<(String, &'static str), Status> {
         Some(volume_capability::AccessType::Mount(m)) => {
             if !matches!(m.fs_type.as_str(), "" | "ext4" | "ext3" | "xfs") {
                 return Err(Status::invalid_argument(format!(
-                    "fs_type {:?} is not supported; use ext4 or xfs",
+                    "fs_type {:?} is not supported; use ext4, ext3 or xfs",
                     m.fs_type
                 )));
             }
@@ -935,8 +935,15 @@ impl Controller for ControllerService {
             .ceph(&conn, move |c, _m| {
                 let io = c.ioctx_ns(&v.pool, &v.rados_namespace)?;
                 let img = Image::open_read_only(&io, &v.image)?;
-                if img.metadata_get(META_PROVISIONER).ok().as_deref() != Some(&name) {
-                    return Err(VolumeError::Missing { image: v.image });
+                // Only a missing key means "not ours": a timeout or any
+                // other failure to read it is an error, not NOT_FOUND.
+                match img.metadata_get(META_PROVISIONER) {
+                    Ok(owner) if owner == name => {}
+                    Ok(_) => return Err(VolumeError::Missing { image: v.image }),
+                    Err(e) if e.is_not_found() => {
+                        return Err(VolumeError::Missing { image: v.image })
+                    }
+                    Err(e) => return Err(VolumeError::Ceph(e)),
                 }
                 let mut problems = image_health(&img);
                 problems.extend(pool_health(c, &v.pool));

@@ -43,32 +43,6 @@ impl IdentityService {
     }
 }
 
-/// Whether some monitor of each configured cluster accepts a TCP
-/// connection within `timeout`; the error names the first cluster none of
-/// whose monitors answer. Needs no credentials.
-pub fn monitors_reachable(driver: &Driver, timeout: Duration) -> Result<(), String> {
-    let config = driver.clusters.config();
-    let mut ids = config.ids();
-    ids.sort();
-    for id in ids {
-        let Some(info) = config.get(&id) else {
-            continue;
-        };
-        let ok = info.monitors.iter().any(|m| mon_reachable(m, timeout));
-        if !ok {
-            return Err(format!(
-                "no monitor of Ceph cluster {id:?} ({}) answers",
-                info.monitors.join(",")
-            ));
-        }
-    }
-    Ok(())
-}
-
-fn mon_reachable(mon: &str, timeout: Duration) -> bool {
-    crate::volume::clusters::monitor_reachable(mon, timeout)
-}
-
 #[tonic::async_trait]
 impl Identity for IdentityService {
     async fn get_plugin_info(
@@ -112,19 +86,19 @@ impl Identity for IdentityService {
         }))
     }
 
+    /// Ready when this process can serve: its config is loaded (it is
+    /// before the socket is bound) and, on a node, its default mapper
+    /// answers. Cluster reachability is not part of it: one unreachable
+    /// cluster in the config must not stop the provisioning of the others.
+    /// NodeGetStorageHealth reports it on a node, and the provisioner's
+    /// `rbdkit_cluster_reachable` metric and `/readyz` everywhere.
     async fn probe(&self, _req: Request<ProbeRequest>) -> Result<Response<ProbeResponse>, Status> {
-        let driver = Arc::clone(&self.driver);
-        let timeout = self.probe_timeout;
-        let extra = self.extra.clone();
-        let check = tokio::task::spawn_blocking(move || {
-            monitors_reachable(&driver, timeout)?;
-            match extra {
-                Some(f) => f(),
-                None => Ok(()),
-            }
-        });
-        // The checks are bounded themselves; this bounds the whole.
-        let ready = match tokio::time::timeout(timeout * 4, check).await {
+        let Some(extra) = self.extra.clone() else {
+            return Ok(Response::new(ProbeResponse { ready: Some(true) }));
+        };
+        let check = tokio::task::spawn_blocking(move || extra());
+        // The check is bounded itself; this bounds the whole.
+        let ready = match tokio::time::timeout(self.probe_timeout * 4, check).await {
             Ok(Ok(Ok(()))) => true,
             Ok(Ok(Err(why))) => {
                 tracing::warn!(%why, "probe: not ready");
@@ -135,30 +109,10 @@ impl Identity for IdentityService {
                 false
             }
             Err(_) => {
-                tracing::warn!("probe: checks ran past their bound");
+                tracing::warn!("probe: the readiness check ran past its bound");
                 false
             }
         };
         Ok(Response::new(ProbeResponse { ready: Some(ready) }))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn monitor_address_forms() {
-        let t = Duration::from_millis(200);
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = l.local_addr().unwrap().port();
-        assert!(mon_reachable(&format!("127.0.0.1:{port}"), t));
-        assert!(mon_reachable(
-            &format!("[v2:127.0.0.1:{port}/0,v1:127.0.0.1:1/0]"),
-            t
-        ));
-        drop(l);
-        assert!(!mon_reachable(&format!("127.0.0.1:{port}"), t));
-        assert!(!mon_reachable("no-such-host.invalid", t));
     }
 }

@@ -26,7 +26,7 @@
 //! exponential, one attempt in flight at a time), and allowed at once when
 //! a probe sees its monitors again.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -356,9 +356,22 @@ fn reconnect_delay(failures: u32) -> Duration {
 
 /// Whether a monitor address (ceph-csi forms: `host`, `host:port`,
 /// `[v2:addr:port/0,v1:addr:port/0]`) accepts a TCP connection within
-/// `timeout`. Blocking (name lookup, `connect`).
+/// `timeout`, name lookup included. Blocking; a lookup that outlives the
+/// bound is left to finish on a thread of its own.
 pub fn monitor_reachable(mon: &str, timeout: Duration) -> bool {
-    use std::net::ToSocketAddrs;
+    let deadline = Instant::now() + timeout;
+    let Some(addrs) = resolve_bounded(monitor_socket_addr(mon), timeout) else {
+        return false;
+    };
+    addrs.into_iter().any(|a| {
+        let left = deadline.saturating_duration_since(Instant::now());
+        !left.is_zero() && std::net::TcpStream::connect_timeout(&a, left).is_ok()
+    })
+}
+
+/// `host:port` of the first address of a monitor entry (port 6789 if it
+/// names none).
+fn monitor_socket_addr(mon: &str) -> String {
     let mon = mon.trim().trim_start_matches('[').trim_end_matches(']');
     let first = mon.split(',').next().unwrap_or(mon);
     let addr = first
@@ -367,7 +380,7 @@ pub fn monitor_reachable(mon: &str, timeout: Duration) -> bool {
         .split('/')
         .next()
         .unwrap_or(first);
-    let with_port = if addr
+    if addr
         .rsplit_once(':')
         .is_some_and(|(_, p)| p.parse::<u16>().is_ok())
         && !addr.ends_with(']')
@@ -375,13 +388,72 @@ pub fn monitor_reachable(mon: &str, timeout: Duration) -> bool {
         addr.to_owned()
     } else {
         format!("{addr}:6789")
-    };
-    let Ok(addrs) = with_port.to_socket_addrs() else {
-        return false;
-    };
-    addrs
+    }
+}
+
+/// Resolves `host:port` within `timeout`: `getaddrinfo` has no timeout of
+/// its own, so it runs on a detached thread and is given up on after it.
+fn resolve_bounded(host_port: String, timeout: Duration) -> Option<Vec<std::net::SocketAddr>> {
+    use std::net::ToSocketAddrs;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("mon-resolve".into())
+        .spawn(move || {
+            let r = host_port.to_socket_addrs().map(|a| a.collect::<Vec<_>>());
+            let _ = tx.send(r);
+        })
+        .ok()?;
+    rx.recv_timeout(timeout).ok()?.ok()
+}
+
+/// The clusters of `config` none of whose monitors answer within
+/// `timeout`, with the monitors tried, sorted by id. Every monitor is
+/// probed at once, so the whole check takes about `timeout`, however many
+/// clusters and monitors are dead.
+pub fn unreachable_clusters(config: &ClustersConfig, timeout: Duration) -> Vec<(String, String)> {
+    let (tx, rx) = std::sync::mpsc::channel::<(String, bool)>();
+    let mut pending: HashMap<String, (usize, Vec<String>)> = HashMap::new();
+    for id in config.ids() {
+        let Some(info) = config.get(&id) else {
+            continue;
+        };
+        pending.insert(id.clone(), (info.monitors.len(), info.monitors.clone()));
+        for mon in info.monitors.clone() {
+            let (tx2, id2) = (tx.clone(), id.clone());
+            let spawned = std::thread::Builder::new()
+                .name("mon-probe".into())
+                .spawn(move || {
+                    let _ = tx2.send((id2, monitor_reachable(&mon, timeout)));
+                });
+            if spawned.is_err() {
+                // Counted as a monitor that did not answer.
+                let _ = tx.send((id.clone(), false));
+            }
+        }
+    }
+    drop(tx);
+    // A little past `timeout`: each probe bounds itself by it.
+    let deadline = Instant::now() + timeout + Duration::from_millis(500);
+    let mut answered: HashSet<String> = HashSet::new();
+    while pending.values().any(|(left, _)| *left > 0) {
+        let wait = deadline.saturating_duration_since(Instant::now());
+        let Ok((id, ok)) = rx.recv_timeout(wait) else {
+            break;
+        };
+        if ok {
+            answered.insert(id.clone());
+        }
+        if let Some((left, _)) = pending.get_mut(&id) {
+            *left = left.saturating_sub(1);
+        }
+    }
+    let mut dead: Vec<(String, String)> = pending
         .into_iter()
-        .any(|a| std::net::TcpStream::connect_timeout(&a, timeout).is_ok())
+        .filter(|(id, _)| !answered.contains(id))
+        .map(|(id, (_, mons))| (id, mons.join(",")))
+        .collect();
+    dead.sort();
+    dead
 }
 
 /// The connection cache.
@@ -740,6 +812,48 @@ impl Connections {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn monitor_address_forms() {
+        let t = Duration::from_millis(200);
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        assert!(monitor_reachable(&format!("127.0.0.1:{port}"), t));
+        assert!(monitor_reachable(
+            &format!("[v2:127.0.0.1:{port}/0,v1:127.0.0.1:1/0]"),
+            t
+        ));
+        drop(l);
+        assert!(!monitor_reachable(&format!("127.0.0.1:{port}"), t));
+        assert!(!monitor_reachable("no-such-host.invalid", t));
+        assert_eq!(monitor_socket_addr("mon-a"), "mon-a:6789");
+        assert_eq!(monitor_socket_addr("[v2:10.0.0.1:3300/0]"), "10.0.0.1:3300");
+    }
+
+    #[test]
+    fn unreachable_clusters_names_each_dead_one() {
+        let live = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let live = live.local_addr().map(|a| (a, live)).unwrap();
+        let dead = |n: usize| -> Vec<String> {
+            (0..n)
+                .map(|_| {
+                    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+                    l.local_addr().unwrap().to_string()
+                })
+                .collect()
+        };
+        let config = serde_json::json!([
+            {"clusterID": "ok", "monitors": [dead(1)[0], live.0.to_string()]},
+            {"clusterID": "gone", "monitors": dead(2)},
+            {"clusterID": "unnamed", "monitors": ["no-such-host.invalid", "mon.invalid:3300"]},
+        ]);
+        let config = ClustersConfig::parse(&config.to_string()).unwrap();
+        let timeout = Duration::from_millis(300);
+        let dead = unreachable_clusters(&config, timeout);
+        let ids: Vec<&str> = dead.iter().map(|(id, _)| id.as_str()).collect();
+        assert_eq!(ids, ["gone", "unnamed"], "{dead:?}");
+        assert!(dead[1].1.contains("mon.invalid:3300"), "{dead:?}");
+    }
 
     #[test]
     fn parses_a_ceph_csi_config() {

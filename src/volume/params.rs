@@ -124,8 +124,11 @@ const SELECTABLE_FEATURES: Features = Features::from_bits(
         | Features::JOURNALING.bits(),
 );
 
-/// Filesystems the node side knows how to make.
-const FSTYPES: &[&str] = &["ext4", "ext3", "xfs", "btrfs"];
+/// Filesystems the node side makes, stages and grows (`node::fs`).
+/// btrfs is not one: the node has no btrfs-progs and refuses it at
+/// NodeStage, so a class asking for it is refused here, before any PV is
+/// made that no pod could mount.
+const FSTYPES: &[&str] = &["ext4", "ext3", "xfs"];
 
 /// A refused parameter: which one and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1233,6 +1236,12 @@ mod tests {
     #[test]
     fn other_values_are_checked() {
         assert_eq!(err(&[(FSTYPE, "ntfs")]).param, FSTYPE);
+        let btrfs = err(&[(FSTYPE, "btrfs")]);
+        assert_eq!(btrfs.param, FSTYPE);
+        assert!(
+            btrfs.why.contains("\"btrfs\" is not supported"),
+            "{btrfs:?}"
+        );
         assert_eq!(
             err(&[(VOLUME_NAME_PREFIX, "a/b")]).param,
             VOLUME_NAME_PREFIX

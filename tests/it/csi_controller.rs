@@ -10,7 +10,8 @@ use rbdkit::csi::proto::{
     ControllerListVolumeHealthRequest, CreateSnapshotRequest, CreateVolumeRequest,
     DeleteSnapshotRequest, DeleteVolumeRequest, GetCapacityRequest, GetPluginCapabilitiesRequest,
     GetPluginInfoRequest, GetSnapshotRequest, ListSnapshotsRequest, ListVolumesRequest,
-    ProbeRequest, ValidateVolumeCapabilitiesRequest, VolumeContentSource,
+    NodeGetStorageHealthRequest, ProbeRequest, ValidateVolumeCapabilitiesRequest,
+    VolumeContentSource,
 };
 use rbdkit::rbd::{self, Image};
 use rbdkit::volume::ops::{owner_metadata, META_PROVISIONER, META_PV};
@@ -43,17 +44,28 @@ async fn identity_reports_the_plugin_and_probes_ceph() {
     assert_eq!(probe.ready, Some(true));
 }
 
+/// One decommissioned cluster in `config.json` must not make the plugin
+/// unready: Probe is about this process, and provisioning on the other
+/// clusters goes on. The dead cluster is reported by NodeGetStorageHealth.
 #[tokio::test(flavor = "multi_thread")]
-async fn probe_is_not_ready_when_no_monitor_answers() {
-    let mut env = CsiEnv::new("csi-probe", Mode::Controller).await;
-    // Point the config at a port nothing listens on; the server re-reads it.
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let dead = l.local_addr().unwrap();
-    drop(l);
-    let config = serde_json::json!([{"clusterID": env.cluster_id, "monitors": [dead.to_string()]}]);
+async fn probe_is_ready_with_an_unreachable_cluster_and_provisions_on_the_others() {
+    let mut env = CsiEnv::new("csi-probe", Mode::All).await;
+    // A second cluster whose two monitors do not answer (ports nothing
+    // listens on); the server re-reads the config on restart.
+    let dead: Vec<String> = (0..2)
+        .map(|_| {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().to_string()
+        })
+        .collect();
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(env.path("config.json")).unwrap()).unwrap();
+    config.as_array_mut().unwrap().push(serde_json::json!({
+        "clusterID": "decommissioned",
+        "monitors": dead,
+    }));
     std::fs::write(env.path("config.json"), config.to_string()).unwrap();
     env.csi.restart();
-    let started = std::time::Instant::now();
     let probe = env
         .identity()
         .await
@@ -61,11 +73,32 @@ async fn probe_is_not_ready_when_no_monitor_answers() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(probe.ready, Some(false));
+    assert_eq!(
+        probe.ready,
+        Some(true),
+        "one dead cluster made Probe unready"
+    );
+    let id = env
+        .create_volume("pvc-probe-live", 16 * MIB, mount_cap("ext4"))
+        .await;
+    assert!(!id.is_empty());
+    let storage = env
+        .node()
+        .await
+        .node_get_storage_health(NodeGetStorageHealthRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let reasons: Vec<(&str, &str)> = storage
+        .backend_health
+        .iter()
+        .map(|b| (b.reason.as_str(), b.message.as_str()))
+        .collect();
+    assert_eq!(reasons.len(), 1, "{reasons:?}");
+    assert_eq!(reasons[0].0, "MonitorsUnreachable");
     assert!(
-        started.elapsed().as_secs() < 20,
-        "probe took {:?}",
-        started.elapsed()
+        reasons[0].1.contains("\"decommissioned\"") && reasons[0].1.contains(&dead[0]),
+        "{reasons:?}"
     );
 }
 
