@@ -1137,13 +1137,22 @@ impl Node for NodeService {
                 }
             }
         }
+        // A mapper that keeps the stage's Ceph client (rbdkit-fuse)
+        // releases the lock itself once unmapped: it has the credentials
+        // the volume was staged with, which a restarted plugin lacks.
+        let locked = stash.as_ref().is_some_and(|s| s.lock.is_some());
+        let mut released = false;
         for (m, opts) in targets {
-            let id2 = id.clone();
-            blocking(move || m.unmap(&id2, &opts)).await?;
+            let (id2, node) = (id.clone(), self.driver.node_id.clone());
+            released |= if locked {
+                blocking(move || m.unmap_releasing(&id2, &opts, &node)).await?
+            } else {
+                blocking(move || m.unmap(&id2, &opts).map(|()| false)).await?
+            };
         }
         // Unmapped: now another node may have it. A failure leaves the
         // stash, so kubelet's retry releases it.
-        if stash.as_ref().is_some_and(|s| s.lock.is_some()) {
+        if locked && !released {
             self.release_lock(&id).await?;
         }
         Stash::remove(&staging)?;
@@ -1410,14 +1419,17 @@ impl Node for NodeService {
                 ));
             }
         }
-        let driver = Arc::clone(&self.driver);
-        let mons = tokio::task::spawn_blocking(move || {
-            crate::csi::identity::monitors_reachable(&driver, STORAGE_HEALTH_MON_TIMEOUT)
+        let config = self.driver.clusters.config();
+        let dead = tokio::task::spawn_blocking(move || {
+            crate::volume::clusters::unreachable_clusters(&config, STORAGE_HEALTH_MON_TIMEOUT)
         })
         .await
-        .unwrap_or_else(|e| Err(format!("monitor check failed: {e}")));
-        if let Err(why) = mons {
-            backend_health.push(unreachable("MonitorsUnreachable", why));
+        .map_err(|e| Status::internal(format!("monitor check failed: {e}")))?;
+        for (id, mons) in dead {
+            backend_health.push(unreachable(
+                "MonitorsUnreachable",
+                format!("no monitor of Ceph cluster {id:?} ({mons}) answers"),
+            ));
         }
         Ok(Response::new(NodeGetStorageHealthResponse {
             backend_health,

@@ -364,6 +364,12 @@ pub enum ControlRequest {
         /// Clear the device even while it is mounted or open.
         #[serde(default)]
         force: bool,
+        /// Once the device is cleared and the image closed, release this
+        /// node's staging lock of the image ([`crate::node::stage_lock`])
+        /// with the attachment's own Ceph client: the credentials it was
+        /// staged with, which a restarted node plugin no longer has.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        release_lock_of: Option<String>,
     },
     /// Re-read the image size and grow the device; returns the size.
     Refresh {
@@ -431,6 +437,10 @@ pub struct ControlResponse {
     /// `ping`: the daemon's pid.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pid: Option<u32>,
+    /// `detach` with `release_lock_of`: whether the lock was released (or
+    /// the image is gone). `false` leaves it to the caller.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lock_released: Option<bool>,
 }
 
 /// The [`Mapper`] of the `rbdkit-fuse` daemon: every call is one request
@@ -579,10 +589,24 @@ impl Mapper for FuseMapper {
             &ControlRequest::Detach {
                 volume_id: volume_id.to_owned(),
                 force,
+                release_lock_of: None,
             },
             REQUEST_TIMEOUT,
         )?;
         Ok(())
+    }
+
+    fn unmap_releasing(&self, volume_id: &str, options: &[String], node_id: &str) -> Result<bool> {
+        let force = parse_unmap_options(options, volume_id)?;
+        let r = self.call_ok(
+            &ControlRequest::Detach {
+                volume_id: volume_id.to_owned(),
+                force,
+                release_lock_of: Some(node_id.to_owned()),
+            },
+            REQUEST_TIMEOUT,
+        )?;
+        Ok(r.lock_released == Some(true))
     }
 
     fn ready(&self) -> std::result::Result<(), String> {

@@ -1409,7 +1409,7 @@ impl Daemon {
         Ok(dev)
     }
 
-    fn detach(&self, vol: &str, force: bool) -> Result<ControlResponse> {
+    fn detach(&self, vol: &str, force: bool, release_of: Option<&str>) -> Result<ControlResponse> {
         let _ops = self.ops.lock().unwrap_or_else(|e| e.into_inner());
         let (live, stale) = {
             let t = self.lock_table();
@@ -1420,6 +1420,7 @@ impl Daemon {
                 t.stale.get(vol).cloned(),
             )
         };
+        let mut released = false;
         if let Some((rec, conn_key, node)) = live {
             let file = self.mnt.join(&rec.file);
             if node.open_image().is_none() {
@@ -1474,6 +1475,9 @@ impl Daemon {
                     .remove(&l.node.ino);
                 close_node(l.node);
             }
+            if let Some(node_id) = release_of {
+                released = self.release_stage_lock(&rec, conn_key.as_ref(), node_id);
+            }
             if let Some(k) = conn_key {
                 self.drop_conn_if_unused(&k);
             }
@@ -1502,8 +1506,42 @@ impl Daemon {
         }
         Ok(ControlResponse {
             ok: true,
+            lock_released: release_of.map(|_| released),
             ..Default::default()
         })
+    }
+
+    /// Releases `node_id`'s staging lock of `rec`'s image through the
+    /// connection that served it (the stage's own credentials), once its
+    /// device is cleared and the image closed. Whether it is released (or
+    /// the image is gone); a failure is logged and left to the caller.
+    fn release_stage_lock(&self, rec: &Record, conn_key: Option<&ConnKey>, node_id: &str) -> bool {
+        let cluster = conn_key.and_then(|k| {
+            self.conns
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(k)
+                .cloned()
+        });
+        let Some(cluster) = cluster else {
+            return false;
+        };
+        let done = crate::node::stage_lock::ImageLock::open(
+            &cluster,
+            &rec.pool,
+            &rec.namespace,
+            &rec.image,
+        )
+        .and_then(|l| l.release(node_id));
+        match done {
+            Ok(()) => true,
+            Err(e) if e.kind() == ErrorKind::NotFound => true,
+            Err(e) => {
+                tracing::warn!(volume = %rec.volume_id, error = %e,
+                    "cannot release the staging lock; the node plugin will");
+                false
+            }
+        }
     }
 
     fn refresh(&self, vol: &str) -> Result<ControlResponse> {
@@ -1572,7 +1610,11 @@ impl Daemon {
     fn handle(&self, req: ControlRequest) -> Result<ControlResponse> {
         match req {
             ControlRequest::Attach(spec) => self.attach(spec),
-            ControlRequest::Detach { volume_id, force } => self.detach(&volume_id, force),
+            ControlRequest::Detach {
+                volume_id,
+                force,
+                release_lock_of,
+            } => self.detach(&volume_id, force, release_lock_of.as_deref()),
             ControlRequest::Refresh { volume_id } => self.refresh(&volume_id),
             ControlRequest::List => {
                 let t = self.lock_table();

@@ -72,6 +72,21 @@ pub trait Mapper: Send + Sync {
     /// this mapper's options from `unmapOptions`.
     fn unmap(&self, volume_id: &str, options: &[String]) -> crate::Result<()>;
 
+    /// Unmaps `volume_id` as [`Mapper::unmap`] does, then releases
+    /// `node_id`'s staging lock of its image with the mapping's own Ceph
+    /// client, if this mapper keeps one (rbdkit-fuse does; krbd's client is
+    /// in the kernel). `Ok(true)`: released, or the image is gone;
+    /// `Ok(false)`: unmapped, and the lock is the caller's to release.
+    fn unmap_releasing(
+        &self,
+        volume_id: &str,
+        options: &[String],
+        node_id: &str,
+    ) -> crate::Result<bool> {
+        let _ = node_id;
+        self.unmap(volume_id, options).map(|()| false)
+    }
+
     /// Makes the device of `volume_id` see the image's current size (after
     /// the controller grew it) and returns that size in bytes.
     fn refresh_size(&self, volume_id: &str) -> crate::Result<u64>;
