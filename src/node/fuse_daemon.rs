@@ -1147,6 +1147,43 @@ impl Daemon {
         }
     }
 
+    /// Records a taken-over mapping's new client (the next worker fences
+    /// it) before it serves: a mapping whose state cannot be saved is not
+    /// served (the next try saves again), since a later takeover would
+    /// fence the previous client instead of this one, which could then
+    /// write on. The image and its size, or the save's error.
+    fn record_takeover(
+        &self,
+        rec: &Record,
+        image: Image,
+        conn_key: ConnKey,
+        addr: Option<String>,
+    ) -> Result<(Image, u64)> {
+        let size = image.size().unwrap_or(rec.size);
+        let mut t = self.lock_table();
+        let before = t.live.get_mut(&rec.volume_id).map(|l| {
+            let old = (l.rec.size, l.rec.client_addr.clone(), l.conn_key.clone());
+            l.rec.size = size;
+            l.rec.client_addr = addr;
+            l.conn_key = Some(conn_key.clone());
+            old
+        });
+        if let Err(e) = self.save(&t) {
+            if let (Some(l), Some((size, addr, key))) = (t.live.get_mut(&rec.volume_id), before) {
+                l.rec.size = size;
+                l.rec.client_addr = addr;
+                l.conn_key = key;
+            }
+            drop(t);
+            drop(image);
+            self.drop_conn_if_unused(&conn_key);
+            tracing::warn!(volume = %rec.volume_id, error = %e,
+                "cannot save the state of a taken-over mapping: not serving it yet");
+            return Err(e);
+        }
+        Ok((image, size))
+    }
+
     /// Takes over every mapping in `todo` (waiting nodes), retrying each
     /// with backoff until `--reopen-timeout`; then its I/O fails with EIO.
     /// Requests that waited are served once the image is open.
@@ -1161,21 +1198,14 @@ impl Daemon {
                     continue; // detached meanwhile
                 };
                 let tries = tries + 1;
-                match self.take_over(&rec, &keys) {
-                    Ok((image, conn_key, addr)) => {
-                        let size = image.size().unwrap_or(rec.size);
+                let took = self
+                    .take_over(&rec, &keys)
+                    .and_then(|(image, conn_key, addr)| {
+                        self.record_takeover(&rec, image, conn_key, addr)
+                    });
+                match took {
+                    Ok((image, size)) => {
                         node.size.store(size, Ordering::SeqCst);
-                        {
-                            let mut t = self.lock_table();
-                            if let Some(l) = t.live.get_mut(&rec.volume_id) {
-                                l.rec.size = size;
-                                l.rec.client_addr = addr;
-                                l.conn_key = Some(conn_key);
-                            }
-                            if let Err(e) = self.save(&t) {
-                                tracing::warn!(error = %e, "cannot save the state");
-                            }
-                        }
                         let parked = node.set(Serving::Ready(Arc::new(image)));
                         tracing::info!(volume = %rec.volume_id, device = ?rec.device, tries,
                             waited = parked.len(), "took over a mapping of the previous worker");

@@ -185,11 +185,17 @@ impl Write for SecretBuf {
 
 impl Drop for SecretBuf {
     fn drop(&mut self) {
-        let cap = self.0.capacity();
-        // SAFETY: all `cap` bytes are allocated and any u8 is valid; the
-        // spare ones may hold an earlier message.
-        unsafe { self.0.set_len(cap) };
         crate::rados::zeroize(&mut self.0);
+        // The spare capacity may hold bytes of an earlier, longer content.
+        // It is not initialised memory to Rust, so it is written through
+        // `MaybeUninit` (never read, never made a `&[u8]`), volatile so
+        // the stores before the free are kept.
+        for b in self.0.spare_capacity_mut() {
+            // SAFETY: `b` is a byte of this Vec's allocation, valid and
+            // aligned for a write of one u8; writing reads nothing.
+            unsafe { std::ptr::write_volatile(b.as_mut_ptr(), 0) };
+        }
+        std::sync::atomic::compiler_fence(std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -261,9 +267,9 @@ fn send_with_fds(stream: &UnixStream, data: &[u8], fds: &[BorrowedFd<'_>]) -> st
 fn recv_with_fds(stream: &UnixStream) -> std::io::Result<(SecretBuf, Vec<OwnedFd>)> {
     let mut data = SecretBuf::with_capacity(MAX_MESSAGE);
     let mut chunk = SecretBuf::with_capacity(64 * 1024);
-    // SAFETY: the spare capacity is allocated; recvmsg writes into it and
-    // the length is set to what it wrote, below.
-    unsafe { chunk.0.set_len(chunk.0.capacity()) };
+    // Zero-filled, not `set_len` over uninitialised bytes: it is handed to
+    // `read` as a `&mut [u8]` below.
+    chunk.0.resize(chunk.0.capacity(), 0);
     // SAFETY: CMSG_SPACE only computes a size.
     let space =
         unsafe { libc::CMSG_SPACE((MAX_FDS * std::mem::size_of::<libc::c_int>()) as u32) } as usize;

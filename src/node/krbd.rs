@@ -335,17 +335,21 @@ impl KrbdMapper {
 
         // key=client.<user> with the key in the keyring; secret= only when
         // the kernel has no ceph key type.
-        let (auth, keyed) = match keyring::add_cephx(self.key_type, &spec.user, &spec.key) {
-            Ok(_) => (format!("key={}", keyring::key_name(&spec.user)), true),
-            Err(e) if e.errno() == libc::ENODEV || e.errno() == libc::ENOSYS => {
-                keyring::decode_base64(spec.key.expose(), &keyring::key_name(&spec.user))?;
-                (format!("secret={}", spec.key.expose()), false)
-            }
-            Err(e) => return Err(e),
-        };
-        let add = add_string(spec, &auth);
+        let key_name = keyring::key_name(&spec.user);
+        let (auth, keyed): ([&[u8]; 2], bool) =
+            match keyring::add_cephx(self.key_type, &spec.user, &spec.key) {
+                Ok(_) => ([b"key=", key_name.as_bytes()], true),
+                Err(e) if e.errno() == libc::ENODEV || e.errno() == libc::ENOSYS => {
+                    keyring::decode_base64(spec.key.expose(), &key_name)?;
+                    ([b"secret=", spec.key.expose().as_bytes()], false)
+                }
+                Err(e) => return Err(e),
+            };
+        let mut add = add_string(spec, &auth);
         let file = self.bus_file("add");
-        let written = write_bus(&file, add.as_bytes());
+        let written = write_bus(&file, &add);
+        // It may hold the key (secret=): zeroed before it is freed.
+        crate::rados::zeroize(&mut add);
         drop(add);
         if keyed {
             // libceph copied the key while parsing the options.
@@ -457,8 +461,12 @@ fn validate(spec: &MapSpec, object: &str) -> Result<()> {
 /// The string for `/sys/bus/rbd/add_single_major`:
 /// `<mon1,mon2> name=<user>,<auth>[,_pool_ns=<ns>][,<options>][,read_only]
 /// <pool> <image> <snap or ->`.
-fn add_string(spec: &MapSpec, auth: &str) -> String {
-    let mut opts = vec![format!("name={}", spec.user), auth.to_owned()];
+/// The sysfs `add` string, with `auth` (`key=client.<user>`, or
+/// `secret=<key>` when the kernel has no `ceph` key type) as its second
+/// option. Built in one buffer of its final size, so no reallocation leaves
+/// a copy of a key in freed memory; the caller zeroes it after the write.
+fn add_string(spec: &MapSpec, auth: &[&[u8]]) -> Vec<u8> {
+    let mut opts = Vec::new();
     if !spec.namespace.is_empty() {
         opts.push(format!("_pool_ns={}", spec.namespace));
     }
@@ -468,14 +476,23 @@ fn add_string(spec: &MapSpec, auth: &str) -> String {
     {
         opts.push("read_only".to_owned());
     }
-    format!(
-        "{} {} {} {} {}",
-        spec.monitors.join(","),
+    let before = format!("{} name={},", spec.monitors.join(","), spec.user);
+    let after = format!(
+        "{}{} {} {} {}",
+        if opts.is_empty() { "" } else { "," },
         opts.join(","),
         spec.pool,
         spec.image,
         spec.snapshot.as_deref().unwrap_or(HEAD)
-    )
+    );
+    let len = before.len() + auth.iter().map(|a| a.len()).sum::<usize>() + after.len();
+    let mut out = Vec::with_capacity(len);
+    out.extend_from_slice(before.as_bytes());
+    for a in auth {
+        out.extend_from_slice(a);
+    }
+    out.extend_from_slice(after.as_bytes());
+    out
 }
 
 /// Writes `data` to a sysfs bus file in one `write(2)` (sysfs stores take
@@ -1001,6 +1018,28 @@ mod tests {
         mapper.check_features(Features::JOURNALING).unwrap();
         std::fs::write(fake.bus().join("supported_features"), "junk").unwrap();
         assert!(mapper.supported_features().is_err());
+    }
+
+    #[test]
+    fn the_add_string_is_built_in_one_buffer_of_its_size() {
+        let s = spec("admin");
+        let add = add_string(&s, &[b"secret=", KEY.as_bytes()]);
+        assert_eq!(
+            String::from_utf8(add.clone()).unwrap(),
+            format!(
+                "10.0.0.1:6789,10.0.0.2:6789 name=admin,secret={KEY},_pool_ns=ns1,lock_on_read,queue_depth=128 rbd vol-1 -"
+            )
+        );
+        // No spare room: nothing was reallocated, so no freed copy of the key.
+        assert_eq!(add.capacity(), add.len());
+        let mut bare = spec("admin");
+        bare.namespace.clear();
+        bare.options.clear();
+        let add = add_string(&bare, &[b"key=", b"client.admin"]);
+        assert_eq!(
+            add,
+            b"10.0.0.1:6789,10.0.0.2:6789 name=admin,key=client.admin rbd vol-1 -"
+        );
     }
 
     #[test]
