@@ -270,6 +270,9 @@ pub fn volume_status(e: &VolumeError) -> Status {
         VolumeError::Missing { .. } => Status::not_found(e.to_string()),
         VolumeError::Conflict { .. } => Status::already_exists(e.to_string()),
         VolumeError::Refused { .. } => Status::invalid_argument(e.to_string()),
+        // ABORTED: a code the CO retries (external-snapshotter treats
+        // ALREADY_EXISTS and FAILED_PRECONDITION as final).
+        VolumeError::Busy { .. } => Status::aborted(e.to_string()),
     }
 }
 

@@ -46,6 +46,23 @@ use crate::ErrorKind;
 pub const META_GROUP_SNAPSHOT: &str = "rbdkit.groupsnapshot";
 /// The RBD group snapshot's name within its group.
 const GROUP_SNAP: &str = "rbdkit";
+/// Prefix of the RADOS object that marks an RBD group as rbdkit's
+/// scaffolding (RBD groups carry no metadata): written before the group is
+/// made, removed after it is gone, so a group it names may be undone.
+const GROUP_MARKER: &str = "rbdkit.group.";
+
+fn marker(group: &str) -> String {
+    format!("{GROUP_MARKER}{group}")
+}
+
+/// Whether RBD group `g` is rbdkit's scaffolding (its marker exists).
+fn is_ours(io: &IoCtx, metrics: &dyn CephObserver, g: &str) -> Result<bool, VolumeError> {
+    match timed(metrics, "stat", || io.stat(&marker(g))) {
+        Ok(_) => Ok(true),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
 /// Features a member image keeps from its source (as a clone would).
 const MEMBER_FEATURES: Features = Features::from_bits(
     Features::LAYERING.bits()
@@ -221,10 +238,21 @@ fn remove_scaffolding(
     metrics: &dyn CephObserver,
     gid: &GroupSnapshotId,
 ) -> Result<(), VolumeError> {
-    let g = &gid.name;
+    remove_group(io, metrics, &gid.name)
+}
+
+/// Removes RBD group `g` with its snapshots and memberships, if it is there.
+fn remove_group(io: &IoCtx, metrics: &dyn CephObserver, g: &str) -> Result<(), VolumeError> {
     let images = match timed(metrics, "group_image_list", || rbd::group_image_list(io, g)) {
         Ok(i) => i,
-        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            // Killed between the group's removal and its marker's.
+            return ignore(
+                ErrorKind::NotFound,
+                timed(metrics, "remove", || io.remove(&marker(g))),
+            )
+            .map_err(Into::into);
+        }
         Err(e) => return Err(e.into()),
     };
     let snaps = timed(metrics, "group_snap_list", || rbd::group_snap_list(io, g))?;
@@ -248,7 +276,127 @@ fn remove_scaffolding(
         ErrorKind::NotFound,
         timed(metrics, "group_remove", || rbd::group_remove(io, g)),
     )?;
+    ignore(
+        ErrorKind::NotFound,
+        timed(metrics, "remove", || io.remove(&marker(g))),
+    )?;
     Ok(())
+}
+
+/// Puts every source in the RBD group of `gid` (made if missing) and takes
+/// the group snapshot; `redo`: an incomplete one is removed first. A source
+/// another group holds is [`VolumeError::Busy`] (a retry can pass once that
+/// group snapshot is taken).
+fn take_group_snap(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    gid: &GroupSnapshotId,
+    sources: &[VolumeId],
+    redo: bool,
+) -> Result<(), VolumeError> {
+    let g = &gid.name;
+    timed(metrics, "write_full", || io.write_full(&marker(g), b""))?;
+    ignore(
+        ErrorKind::AlreadyExists,
+        timed(metrics, "group_create", || rbd::group_create(io, g)),
+    )?;
+    let already = timed(metrics, "group_image_list", || rbd::group_image_list(io, g))?;
+    for s in sources {
+        if already.iter().any(|i| i.name == s.image && i.attached) {
+            continue;
+        }
+        let added = timed(metrics, "group_image_add", || {
+            rbd::group_image_add(io, g, io, &s.image)
+        });
+        match added {
+            Ok(()) => {}
+            Err(e) if e.kind() == ErrorKind::AlreadyExists || e.errno() == libc::EEXIST => {
+                return Err(VolumeError::Busy {
+                    image: s.to_string(),
+                    why: format!(
+                        "it is in another RBD group (a group snapshot being taken of it?): {e}"
+                    ),
+                })
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if redo {
+        timed(metrics, "group_snap_remove", || {
+            rbd::group_snap_remove(io, g, GROUP_SNAP)
+        })?;
+    }
+    timed(metrics, "group_snap_create", || {
+        rbd::group_snap_create(io, g, GROUP_SNAP)
+    })?;
+    Ok(())
+}
+
+/// Removes what a failed [`take_group_snap`] made and returns its error
+/// (the cleanup's own failure is logged: a retry or `rbdkit gc` ends it).
+fn undo_scaffolding(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    gid: &GroupSnapshotId,
+    e: VolumeError,
+) -> VolumeError {
+    if let Err(undo) = remove_scaffolding(io, metrics, gid) {
+        tracing::warn!(group = %gid, error = %undo,
+            "cannot remove the RBD group of a failed group snapshot; a retry or rbdkit gc will");
+    }
+    e
+}
+
+/// Takes `image` out of every RBD group of its pool and namespace that is
+/// rbdkit's group-snapshot scaffolding (marked, see [`GROUP_MARKER`]),
+/// removing a group it was the last member of: a create killed or
+/// abandoned half-way can leave a source in one, and librbd refuses to
+/// remove an image in a group (`EMLINK`). Any other group is
+/// [`VolumeError::NotOwned`], naming it. Returns whether it was in a group
+/// at all.
+pub fn leave_scaffolding_groups(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    image: &str,
+) -> Result<bool, VolumeError> {
+    let mut found = false;
+    for g in timed(metrics, "group_list", || rbd::group_list(io))? {
+        let members = match timed(metrics, "group_image_list", || {
+            rbd::group_image_list(io, &g)
+        }) {
+            Ok(m) => m,
+            Err(e) if e.kind() == ErrorKind::NotFound => continue,
+            Err(e) => return Err(e.into()),
+        };
+        if !members
+            .iter()
+            .any(|m| m.name == image && m.pool_id == io.pool_id())
+        {
+            continue;
+        }
+        found = true;
+        if !is_ours(io, metrics, &g)? {
+            return Err(VolumeError::NotOwned {
+                image: image.to_owned(),
+                why: format!(
+                    "it is in RBD group {g:?}, which is not a group snapshot of rbdkit's; remove it from that group first"
+                ),
+            });
+        }
+        tracing::warn!(group = %g, image,
+            "removing an image from the RBD group a failed or interrupted group snapshot left");
+        if members.len() == 1 {
+            remove_group(io, metrics, &g)?;
+        } else {
+            ignore(
+                ErrorKind::NotFound,
+                timed(metrics, "group_image_remove", || {
+                    rbd::group_image_remove(io, &g, io, image)
+                }),
+            )?;
+        }
+    }
+    Ok(found)
 }
 
 /// Makes sure group snapshot `name` of `sources` (volumes of `provisioner`
@@ -308,31 +456,10 @@ pub fn ensure_group_snapshot(
                         });
                     }
                 }
-                ignore(
-                    ErrorKind::AlreadyExists,
-                    timed(metrics, "group_create", || rbd::group_create(&io, &g)),
-                )?;
-                let already = timed(metrics, "group_image_list", || rbd::group_image_list(&io, &g))?;
-                for s in sources {
-                    if already.iter().any(|i| i.name == s.image && i.attached) {
-                        continue;
-                    }
-                    timed(metrics, "group_image_add", || {
-                        rbd::group_image_add(&io, &g, &io, &s.image)
-                    })
-                    .map_err(|e| VolumeError::Conflict {
-                        image: s.image.clone(),
-                        why: format!("it cannot join group {g:?} (in another group snapshot being taken?): {e}"),
-                    })?;
-                }
-                if incomplete == Some(false) {
-                    timed(metrics, "group_snap_remove", || {
-                        rbd::group_snap_remove(&io, &g, GROUP_SNAP)
-                    })?;
-                }
-                timed(metrics, "group_snap_create", || {
-                    rbd::group_snap_create(&io, &g, GROUP_SNAP)
-                })?;
+                // Any failure from here undoes the group, so no source is
+                // left in it (librbd refuses to remove an image in a group).
+                take_group_snap(&io, metrics, &gid, sources, incomplete == Some(false))
+                    .map_err(|e| undo_scaffolding(&io, metrics, &gid, e))?;
             }
         }
         for (s, m) in &missing {

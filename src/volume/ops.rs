@@ -120,6 +120,14 @@ pub enum VolumeError {
         /// What is wrong.
         why: String,
     },
+    /// Something else holds the image for now (another group snapshot
+    /// being taken of it): nothing was left behind, and a retry can pass.
+    Busy {
+        /// The image.
+        image: String,
+        /// What holds it.
+        why: String,
+    },
 }
 
 impl fmt::Display for VolumeError {
@@ -150,6 +158,9 @@ impl fmt::Display for VolumeError {
                 write!(f, "image {image} already exists with another source: {why}")
             }
             VolumeError::Refused { why } => write!(f, "{why}"),
+            VolumeError::Busy { image, why } => {
+                write!(f, "image {image} is busy: {why}; nothing was kept, try again")
+            }
         }
     }
 }
@@ -616,15 +627,29 @@ fn delete_image_steps(
             finish_cut_short_rename(&io, metrics, fence, &vol.image, &id)?;
         }
         drop(image);
-        match crate::volume::snapshot::remove_or_trash(
-            cluster,
-            metrics,
-            fence,
-            &io,
-            name,
-            &object,
-            provisioner,
-        )? {
+        let remove = || {
+            crate::volume::snapshot::remove_or_trash(
+                cluster,
+                metrics,
+                fence,
+                &io,
+                name,
+                &object,
+                provisioner,
+            )
+        };
+        let removed = match remove() {
+            // In an RBD group: one a failed group snapshot left is undone.
+            Err(VolumeError::Ceph(e)) if e.errno() == libc::EMLINK => {
+                fenced(fence, "rbd_group_image_remove", &object)?;
+                if !crate::volume::group_snapshot::leave_scaffolding_groups(&io, metrics, name)? {
+                    return Err(VolumeError::Ceph(e));
+                }
+                remove()
+            }
+            other => other,
+        };
+        match removed? {
             Deleted::AlreadyGone => {}
             done => outcome = done,
         }

@@ -368,3 +368,75 @@ async fn group_snapshot_create_adopts_what_an_interrupted_run_left() {
     let left: Vec<String> = rbd::list_names(io).unwrap();
     assert!(left.is_empty(), "left behind: {left:?}");
 }
+
+async fn delete_volume(env: &CsiEnv, id: &str) -> Result<(), tonic::Status> {
+    env.controller()
+        .await
+        .delete_volume(DeleteVolumeRequest {
+            volume_id: id.to_owned(),
+            secrets: env.secrets(),
+        })
+        .await
+        .map(|_| ())
+}
+
+/// G1 of (A, B) and G2 of (C, B) requested together: G2 adds C, then fails
+/// on B. Before, C stayed in G2's RBD group (DeleteVolume of it INTERNAL
+/// for ever) and the error was ALREADY_EXISTS, which external-snapshotter
+/// never retries.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_failed_group_snapshot_leaves_no_group_and_every_source_deletable() {
+    let env = CsiEnv::new("csi-group-fail", Mode::Controller).await;
+    let io = &env.rbd.ioctx;
+    let mut group = GroupControllerClient::new(support::csi::channel(&env.socket).await);
+    let b = env.create_volume("pvc-fb", 8 * MIB, mount_cap("xfs")).await;
+    let c = env.create_volume("pvc-fc", 8 * MIB, mount_cap("xfs")).await;
+    let b_image = VolumeId::parse(&b).unwrap().image;
+    // G1 is being taken: B is in its RBD group (marked as rbdkit's, as
+    // the create does first), no snapshot yet.
+    io.write_full("rbdkit.group.groupsnapshot-g1", b"").unwrap();
+    rbd::group_create(io, "groupsnapshot-g1").unwrap();
+    rbd::group_image_add(io, "groupsnapshot-g1", io, &b_image).unwrap();
+
+    let e = group
+        .create_volume_group_snapshot(CreateVolumeGroupSnapshotRequest {
+            name: "groupsnapshot-g2".into(),
+            source_volume_ids: vec![c.clone(), b.clone()],
+            secrets: env.secrets(),
+            parameters: Default::default(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Aborted, "a code the CO retries: {e}");
+    assert!(e.message().contains(&b_image), "{e}");
+    // Nothing of G2 is left.
+    assert_eq!(rbd::group_list(io).unwrap(), vec!["groupsnapshot-g1"]);
+    delete_volume(&env, &c)
+        .await
+        .unwrap_or_else(|e| panic!("C, after the failed G2: {e}"));
+
+    // G1's create was killed and given up: deleting B takes it out of the
+    // group it was left in, and the group goes with its last member.
+    delete_volume(&env, &b)
+        .await
+        .unwrap_or_else(|e| panic!("B, left in G1's group: {e}"));
+    assert!(rbd::group_list(io).unwrap().is_empty());
+    assert!(io.stat("rbdkit.group.groupsnapshot-g1").is_err());
+
+    // Someone else's group is left alone, and named.
+    let d = env.create_volume("pvc-fd", 8 * MIB, mount_cap("xfs")).await;
+    let d_image = VolumeId::parse(&d).unwrap().image;
+    rbd::group_create(io, "user-group").unwrap();
+    rbd::group_image_add(io, "user-group", io, &d_image).unwrap();
+    let e = delete_volume(&env, &d).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert!(e.message().contains("user-group"), "{e}");
+    assert_eq!(
+        rbd::group_image_list(io, "user-group").unwrap().len(),
+        1,
+        "another's group was changed"
+    );
+    rbd::group_image_remove(io, "user-group", io, &d_image).unwrap();
+    rbd::group_remove(io, "user-group").unwrap();
+    delete_volume(&env, &d).await.unwrap();
+}
