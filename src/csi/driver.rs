@@ -273,6 +273,7 @@ pub fn volume_status(e: &VolumeError) -> Status {
         // ABORTED: a code the CO retries (external-snapshotter treats
         // ALREADY_EXISTS and FAILED_PRECONDITION as final).
         VolumeError::Busy { .. } => Status::aborted(e.to_string()),
+        VolumeError::Unsuitable { .. } => Status::failed_precondition(e.to_string()),
     }
 }
 

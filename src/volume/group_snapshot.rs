@@ -3,7 +3,11 @@
 //!
 //! # Design
 //! The instant comes from an RBD group snapshot (`rbd_group_snap_create`:
-//! librbd quiesces every member and takes their snapshots together). The
+//! librbd notifies every member's quiesce watchers, then takes each
+//! member's exclusive lock, so no client writes, snapshots them all and
+//! lets go). A member without the exclusive-lock feature would keep taking
+//! writes between the snapshots, so such a source is refused
+//! ([`VolumeError::Unsuitable`]). The
 //! group and its snapshot are scaffolding: each member's state at that
 //! instant becomes an ordinary snapshot image of its own
 //! ([`GroupSnapshotId::member`], with the same owner records and final RBD
@@ -46,6 +50,11 @@ use crate::ErrorKind;
 pub const META_GROUP_SNAPSHOT: &str = "rbdkit.groupsnapshot";
 /// The RBD group snapshot's name within its group.
 const GROUP_SNAP: &str = "rbdkit";
+/// Why a source without exclusive-lock is refused.
+const NO_EXCLUSIVE_LOCK: &str = "it lacks the exclusive-lock feature: librbd holds a member's \
+     writes while the group is snapshotted only by taking its exclusive lock, so the members \
+     would not be one instant; make its StorageClass's imageFeatures include exclusive-lock \
+     (or enable it: rbd feature enable IMAGE exclusive-lock)";
 /// Prefix of the RADOS object that marks an RBD group as rbdkit's
 /// scaffolding (RBD groups carry no metadata): written before the group is
 /// made, removed after it is gone, so a group it names may be undone.
@@ -453,6 +462,13 @@ pub fn ensure_group_snapshot(
                         return Err(VolumeError::NotOwned {
                             image: s.image.clone(),
                             why: format!("it is not a volume of {provisioner:?}"),
+                        });
+                    }
+                    let features = timed(metrics, "features", || m.features())?;
+                    if !features.contains(Features::EXCLUSIVE_LOCK) {
+                        return Err(VolumeError::Unsuitable {
+                            image: s.to_string(),
+                            why: NO_EXCLUSIVE_LOCK.into(),
                         });
                     }
                 }

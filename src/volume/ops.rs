@@ -120,6 +120,14 @@ pub enum VolumeError {
         /// What is wrong.
         why: String,
     },
+    /// The image cannot serve this request as it is made (a group
+    /// snapshot source without exclusive-lock).
+    Unsuitable {
+        /// The image.
+        image: String,
+        /// What it lacks, and how to give it that.
+        why: String,
+    },
     /// Something else holds the image for now (another group snapshot
     /// being taken of it): nothing was left behind, and a retry can pass.
     Busy {
@@ -158,6 +166,7 @@ impl fmt::Display for VolumeError {
                 write!(f, "image {image} already exists with another source: {why}")
             }
             VolumeError::Refused { why } => write!(f, "{why}"),
+            VolumeError::Unsuitable { image, why } => write!(f, "image {image}: {why}"),
             VolumeError::Busy { image, why } => {
                 write!(f, "image {image} is busy: {why}; nothing was kept, try again")
             }

@@ -6,7 +6,7 @@ use crate::support;
 
 use rbdkit::csi::proto::group_controller_client::GroupControllerClient;
 use rbdkit::csi::proto::{
-    plugin_capability, volume_content_source, CreateVolumeGroupSnapshotRequest,
+    plugin_capability, volume_content_source, CapacityRange, CreateVolumeGroupSnapshotRequest,
     CreateVolumeRequest, DeleteSnapshotRequest, DeleteVolumeGroupSnapshotRequest,
     DeleteVolumeRequest, GetPluginCapabilitiesRequest, GetSnapshotRequest,
     GetVolumeGroupSnapshotRequest, GroupControllerGetCapabilitiesRequest, VolumeContentSource,
@@ -17,6 +17,31 @@ use support::csi::{mount_cap, CsiEnv, Mode};
 use tonic::Code;
 
 const MIB: i64 = 1 << 20;
+
+/// A volume a group snapshot can take: its class gives exclusive-lock.
+async fn locked_volume(env: &CsiEnv, name: &str) -> String {
+    let mut params = env.params();
+    params.insert("imageFeatures".into(), "layering,exclusive-lock".into());
+    env.controller()
+        .await
+        .create_volume(CreateVolumeRequest {
+            name: name.to_owned(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 8 * MIB,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![mount_cap("xfs")],
+            parameters: params,
+            secrets: env.secrets(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("CreateVolume {name}: {e}"))
+        .into_inner()
+        .volume
+        .unwrap()
+        .volume_id
+}
 
 fn write(env: &CsiEnv, id: &str, data: &[u8]) {
     let vol = VolumeId::parse(id).unwrap();
@@ -59,8 +84,8 @@ async fn group_snapshot_is_one_instant_and_a_member_restores() {
         .into_inner();
     assert_eq!(gcaps.capabilities.len(), 1);
 
-    let a = env.create_volume("pvc-ga", 8 * MIB, mount_cap("xfs")).await;
-    let b = env.create_volume("pvc-gb", 8 * MIB, mount_cap("xfs")).await;
+    let a = locked_volume(&env, "pvc-ga").await;
+    let b = locked_volume(&env, "pvc-gb").await;
     write(&env, &a, b"a before");
     write(&env, &b, b"b before");
     let req = |name: &str, ids: Vec<String>| CreateVolumeGroupSnapshotRequest {
@@ -279,8 +304,8 @@ async fn group_snapshot_is_one_instant_and_a_member_restores() {
 async fn group_snapshot_create_adopts_what_an_interrupted_run_left() {
     let env = CsiEnv::new("csi-group-crash", Mode::Controller).await;
     let mut group = GroupControllerClient::new(support::csi::channel(&env.socket).await);
-    let a = env.create_volume("pvc-ca", 8 * MIB, mount_cap("xfs")).await;
-    let b = env.create_volume("pvc-cb", 8 * MIB, mount_cap("xfs")).await;
+    let a = locked_volume(&env, "pvc-ca").await;
+    let b = locked_volume(&env, "pvc-cb").await;
     let (va, vb) = (VolumeId::parse(&a).unwrap(), VolumeId::parse(&b).unwrap());
     write(&env, &a, b"a instant");
     write(&env, &b, b"b instant");
@@ -389,8 +414,8 @@ async fn a_failed_group_snapshot_leaves_no_group_and_every_source_deletable() {
     let env = CsiEnv::new("csi-group-fail", Mode::Controller).await;
     let io = &env.rbd.ioctx;
     let mut group = GroupControllerClient::new(support::csi::channel(&env.socket).await);
-    let b = env.create_volume("pvc-fb", 8 * MIB, mount_cap("xfs")).await;
-    let c = env.create_volume("pvc-fc", 8 * MIB, mount_cap("xfs")).await;
+    let b = locked_volume(&env, "pvc-fb").await;
+    let c = locked_volume(&env, "pvc-fc").await;
     let b_image = VolumeId::parse(&b).unwrap().image;
     // G1 is being taken: B is in its RBD group (marked as rbdkit's, as
     // the create does first), no snapshot yet.
@@ -439,4 +464,104 @@ async fn a_failed_group_snapshot_leaves_no_group_and_every_source_deletable() {
     rbd::group_image_remove(io, "user-group", io, &d_image).unwrap();
     rbd::group_remove(io, "user-group").unwrap();
     delete_volume(&env, &d).await.unwrap();
+}
+
+/// The members agree on one instant while a client writes to both
+/// sources: it writes counter n to A, then n to B, over and over, so at any
+/// one instant A holds B or B + 1. Two snapshots one after the other would
+/// catch B ahead of A. A source without exclusive-lock (librbd cannot hold
+/// its writes) is refused, naming it.
+#[tokio::test(flavor = "multi_thread")]
+async fn members_agree_on_one_instant_while_both_sources_are_written() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::Arc;
+    let env = CsiEnv::new("csi-group-instant", Mode::Controller).await;
+    let mut group = GroupControllerClient::new(support::csi::channel(&env.socket).await);
+    let req = |name: &str, ids: Vec<String>| CreateVolumeGroupSnapshotRequest {
+        name: name.to_owned(),
+        source_volume_ids: ids,
+        secrets: env.secrets(),
+        parameters: Default::default(),
+    };
+    let plain = env
+        .create_volume("pvc-plain", 8 * MIB, mount_cap("xfs"))
+        .await;
+    let a = locked_volume(&env, "pvc-ia").await;
+    let e = group
+        .create_volume_group_snapshot(req("groupsnapshot-plain", vec![a.clone(), plain.clone()]))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    let plain_image = VolumeId::parse(&plain).unwrap().image;
+    assert!(
+        e.message().contains(&plain_image) && e.message().contains("exclusive-lock"),
+        "{e}"
+    );
+    assert!(rbd::group_list(&env.rbd.ioctx).unwrap().is_empty());
+
+    let b = locked_volume(&env, "pvc-ib").await;
+    let images: Vec<String> = [&a, &b]
+        .iter()
+        .map(|id| VolumeId::parse(id).unwrap().image)
+        .collect();
+    let (stop, count) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let writer = {
+        let (stop, count, images) = (Arc::clone(&stop), Arc::clone(&count), images.clone());
+        let io = env.rbd.ioctx.clone();
+        std::thread::spawn(move || {
+            let a = Image::open(&io, &images[0]).unwrap();
+            let b = Image::open(&io, &images[1]).unwrap();
+            let mut n = 0u64;
+            while !stop.load(Ordering::SeqCst) {
+                n += 1;
+                a.write(0, &n.to_le_bytes()).unwrap();
+                b.write(0, &n.to_le_bytes()).unwrap();
+                count.store(n, Ordering::SeqCst);
+            }
+        })
+    };
+    // Writing before, during and after the group snapshot.
+    while count.load(Ordering::SeqCst) < 20 {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let before = count.load(Ordering::SeqCst);
+    let gs = group
+        .create_volume_group_snapshot(req("groupsnapshot-instant", vec![a.clone(), b.clone()]))
+        .await
+        .unwrap()
+        .into_inner()
+        .group_snapshot
+        .unwrap();
+    let during = count.load(Ordering::SeqCst);
+    while count.load(Ordering::SeqCst) < during + 20 {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    writer.join().unwrap();
+    assert!(during > before, "the writer never ran across the snapshot");
+
+    let value_of = |source: &str| -> u64 {
+        let member = gs
+            .snapshots
+            .iter()
+            .find(|s| s.source_volume_id == source)
+            .unwrap();
+        let image = SnapshotId::parse(&member.snapshot_id).unwrap().image;
+        let img = Image::open_read_only(&env.rbd.ioctx, &image).unwrap();
+        let mut buf = [0u8; 8];
+        img.read_exact(0, &mut buf).unwrap();
+        u64::from_le_bytes(buf)
+    };
+    let (va, vb) = (value_of(&a), value_of(&b));
+    assert!(
+        va == vb || va == vb + 1,
+        "the members are not one instant: A holds {va}, B holds {vb}"
+    );
+    assert!(
+        va >= before,
+        "A's member is older than the request: {va} < {before}"
+    );
 }
