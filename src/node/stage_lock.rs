@@ -239,12 +239,14 @@ impl ImageLock {
         }
     }
 
-    /// Fences `holder` and breaks its lock: blocklists its address and the
-    /// data-path clients its node recorded (`osd blocklist add`, the
-    /// cluster's default expiry), checks that no other client watches the
-    /// image, then breaks the lock. Returns the addresses blocklisted. Fails
-    /// (breaking nothing) when a blocklist entry is refused (the user's mon
-    /// caps) or a client that was not fenced still has the image open.
+    /// Fences `holder` and breaks its lock: checks that no client but the
+    /// holder and the data-path clients its node recorded watches the
+    /// image, blocklists those (`osd blocklist add`, the cluster's default
+    /// expiry), checks again, then breaks the lock. Returns the addresses
+    /// blocklisted. Fails (breaking nothing) when a blocklist entry is
+    /// refused (the user's mon caps) or another client has the image open;
+    /// in the latter case nothing is blocklisted either, unless that client
+    /// appeared between the first check and the blocklist.
     pub fn fence_and_break(&self, holder: &ObjectLocker) -> Result<Vec<String>> {
         let node = node_of(&holder.cookie);
         let mut fence = vec![holder.addr.clone()];
@@ -254,27 +256,13 @@ impl ImageLock {
         fence.retain(|a| !a.is_empty());
         fence.sort();
         fence.dedup();
+        // Before any blocklist entry: a refused break must fence no one.
+        self.none_but(&fence)?;
         let cluster = self.io.cluster();
         for addr in &fence {
             cluster.blocklist_add(addr, 0)?;
         }
-        let live: Vec<String> = self
-            .watchers()?
-            .into_iter()
-            .filter(|w| !fence.contains(w))
-            .collect();
-        if !live.is_empty() {
-            return Err(Error::with_kind(
-                ErrorKind::Busy,
-                libc::EBUSY,
-                "rados_break_lock",
-                self.spec.clone(),
-                format!(
-                    "{} still watch the image: it is in use, the lock is not broken",
-                    live.join(", ")
-                ),
-            ));
-        }
+        self.none_but(&fence)?;
         match self
             .io
             .break_lock(&self.oid, LOCK_NAME, &holder.client, &holder.cookie)
@@ -286,6 +274,31 @@ impl ImageLock {
             self.forget_clients(n)?;
         }
         Ok(fence)
+    }
+}
+
+impl ImageLock {
+    /// Fails (`Busy`, naming them) when a client outside `fence` watches
+    /// the image: it is in use, and its lock is not to be broken.
+    fn none_but(&self, fence: &[String]) -> Result<()> {
+        let live: Vec<String> = self
+            .watchers()?
+            .into_iter()
+            .filter(|w| !fence.contains(w))
+            .collect();
+        if live.is_empty() {
+            return Ok(());
+        }
+        Err(Error::with_kind(
+            ErrorKind::Busy,
+            libc::EBUSY,
+            "rados_break_lock",
+            self.spec.clone(),
+            format!(
+                "{} still watch the image: it is in use, the lock is not broken",
+                live.join(", ")
+            ),
+        ))
     }
 }
 

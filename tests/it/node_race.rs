@@ -445,3 +445,48 @@ async fn a_stage_killed_at_any_point_converges_on_retry_and_unstage_releases() {
         delete(&a, &id).await;
     }
 }
+
+/// A break refused because a client that is not the holder's still has
+/// the image open fences no one (a live node must never be blocklisted).
+/// Before, the holder's address and its node's recorded clients were
+/// blocklisted first and the watchers checked after.
+#[test]
+fn a_refused_break_blocklists_no_one() {
+    use rbdkit::node::stage_lock::{Acquired, ImageLock, LockMode};
+    use support::ceph::{TestCluster, TestNs, POOL};
+    let ns = TestNs::new("race-refused");
+    rbdkit::rbd::create(&ns.ioctx, "img", 8 << 20, &rbdkit::rbd::ImageOptions::new()).unwrap();
+    let ceph = TestCluster::get();
+    // node-x takes the staging lock with a client of its own.
+    let holder_client = ceph.connect();
+    let holder = ImageLock::open(&holder_client, POOL, &ns.name, "img").unwrap();
+    assert!(matches!(
+        holder.acquire(LockMode::Exclusive, "node-x").unwrap(),
+        Acquired::Taken
+    ));
+    // Another client, which no node recorded, has the image open.
+    let user_client = ceph.connect();
+    let io = user_client.ioctx_ns(POOL, &ns.name).unwrap();
+    let open = Image::open(&io, "img").unwrap();
+
+    let breaker = ImageLock::open(&support::ceph::cluster(), POOL, &ns.name, "img").unwrap();
+    let held = breaker.holders().unwrap().lockers;
+    assert_eq!(held.len(), 1);
+    let e = breaker.fence_and_break(&held[0]).unwrap_err();
+    assert_eq!(e.kind(), rbdkit::ErrorKind::Busy, "{e}");
+    let ls = support::ceph::mon_json(serde_json::json!({
+        "prefix": "osd blocklist ls",
+        "format": "json"
+    }))
+    .unwrap();
+    let ls = String::from_utf8_lossy(&ls);
+    // Listed without the messenger prefix (`v1:`).
+    let addr = held[0].addr.split_once(':').map_or("", |(_, a)| a);
+    assert!(addr.contains('/'), "{:?}", held[0].addr);
+    assert!(
+        !ls.contains(addr),
+        "the break was refused, yet {addr} was blocklisted: {ls}"
+    );
+    assert_eq!(breaker.holders().unwrap().lockers, held, "the lock changed");
+    drop(open);
+}
