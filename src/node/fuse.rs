@@ -412,6 +412,12 @@ pub struct AttachmentStatus {
     pub healthy: bool,
     /// Why not, when not healthy.
     pub reason: Option<String>,
+    /// A mapping from before the daemon restarted that was not taken over:
+    /// its device no longer reaches the image, and attaching the volume
+    /// again makes a new one. A live mapping that is unhealthy (being taken
+    /// over, or failed) is not stale: it is still mapped.
+    #[serde(default)]
+    pub stale: bool,
 }
 
 /// The daemon's answer to one request.
@@ -575,10 +581,14 @@ impl Mapper for FuseMapper {
         })
     }
 
+    /// The device of a live mapping, healthy or not: a mapping whose image
+    /// is being taken over or failed is still mapped (its stage must not
+    /// be abandoned as if nothing were, releasing the lock of an image in
+    /// use); [`Mapper::check`] says whether it serves I/O.
     fn find(&self, volume_id: &str) -> Result<Option<PathBuf>> {
         Ok(self
             .status(volume_id)?
-            .filter(|s| s.healthy)
+            .filter(|s| !s.stale)
             .and_then(|s| s.device)
             .map(PathBuf::from))
     }

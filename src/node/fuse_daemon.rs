@@ -1053,6 +1053,7 @@ impl Daemon {
             direct_io,
             healthy: reason.is_none(),
             reason,
+            stale: false,
         }
     }
 
@@ -1067,6 +1068,7 @@ impl Daemon {
             direct_io: false,
             librbd: Vec::new(),
             healthy: false,
+            stale: true,
             reason: Some(format!(
                 "the rbdkit-fuse daemon restarted since {} was mapped on {}: that device no longer \
                  reaches the image (I/O fails); attach the volume again",

@@ -1521,6 +1521,12 @@ fn a_failed_reopen_is_retried_and_a_lasting_one_fails_cleanly() {
     let killed = Instant::now();
     next_worker(&d, old);
     std::thread::sleep(Duration::from_secs(3));
+    // Not serving while its image cannot be re-opened, yet still mapped:
+    // a stage that took it for unmapped would release the lock of an
+    // image in use.
+    let st = d.mapper().status("vol-r").unwrap().unwrap();
+    assert!(!st.healthy && !st.stale, "{st:?}");
+    assert_eq!(d.mapper().find("vol-r").unwrap(), Some(dev.clone()));
     // The first user gets its caps back; the second never does.
     set_caps(
         &u1,
@@ -1557,6 +1563,7 @@ fn a_failed_reopen_is_retried_and_a_lasting_one_fails_cleanly() {
         st.reason.as_deref().unwrap_or("").contains("re-open"),
         "{st:?}"
     );
+    assert_eq!(d.mapper().find("vol-g").unwrap(), Some(gone.clone()));
     // Detach clears its loop device.
     let file = PathBuf::from(st.file);
     d.mapper().unmap("vol-g", &[]).unwrap();
