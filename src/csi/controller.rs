@@ -292,9 +292,19 @@ impl ControllerService {
                             problems = image_health(&img);
                             problems.extend(pool_health.iter().cloned());
                         }
+                        // One unreadable header is that volume's problem,
+                        // not a failed list (0: size unknown).
+                        let size = img.size().unwrap_or_else(|e| {
+                            problems.push(health_entry(
+                                VolumeHealthErrorType::Degraded,
+                                "HeaderUnreadable",
+                                format!("the image's size cannot be read: {e}"),
+                            ));
+                            0
+                        });
                         out.push(ScannedVolume {
                             handle: vol.handle(),
-                            size: img.size()?,
+                            size,
                             problems,
                         });
                     }
