@@ -10,8 +10,7 @@ use rbdkit::csi::proto::{
     ControllerListVolumeHealthRequest, CreateSnapshotRequest, CreateVolumeRequest,
     DeleteSnapshotRequest, DeleteVolumeRequest, GetCapacityRequest, GetPluginCapabilitiesRequest,
     GetPluginInfoRequest, GetSnapshotRequest, ListSnapshotsRequest, ListVolumesRequest,
-    NodeGetStorageHealthRequest, ProbeRequest, ValidateVolumeCapabilitiesRequest,
-    VolumeContentSource,
+    ProbeRequest, ValidateVolumeCapabilitiesRequest, VolumeContentSource,
 };
 use rbdkit::rbd::{self, Image};
 use rbdkit::volume::ops::{owner_metadata, META_PROVISIONER, META_PV};
@@ -82,13 +81,7 @@ async fn probe_is_ready_with_an_unreachable_cluster_and_provisions_on_the_others
         .create_volume("pvc-probe-live", 16 * MIB, mount_cap("ext4"))
         .await;
     assert!(!id.is_empty());
-    let storage = env
-        .node()
-        .await
-        .node_get_storage_health(NodeGetStorageHealthRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let storage = env.storage_health().await;
     let reasons: Vec<(&str, &str)> = storage
         .backend_health
         .iter()

@@ -394,17 +394,6 @@ async fn group_snapshot_create_adopts_what_an_interrupted_run_left() {
     assert!(left.is_empty(), "left behind: {left:?}");
 }
 
-async fn delete_volume(env: &CsiEnv, id: &str) -> Result<(), tonic::Status> {
-    env.controller()
-        .await
-        .delete_volume(DeleteVolumeRequest {
-            volume_id: id.to_owned(),
-            secrets: env.secrets(),
-        })
-        .await
-        .map(|_| ())
-}
-
 /// G1 of (A, B) and G2 of (C, B) requested together: G2 adds C, then fails
 /// on B. Before, C stayed in G2's RBD group (DeleteVolume of it INTERNAL
 /// for ever) and the error was ALREADY_EXISTS, which external-snapshotter
@@ -436,13 +425,13 @@ async fn a_failed_group_snapshot_leaves_no_group_and_every_source_deletable() {
     assert!(e.message().contains(&b_image), "{e}");
     // Nothing of G2 is left.
     assert_eq!(rbd::group_list(io).unwrap(), vec!["groupsnapshot-g1"]);
-    delete_volume(&env, &c)
+    env.delete_volume(&c)
         .await
         .unwrap_or_else(|e| panic!("C, after the failed G2: {e}"));
 
     // G1's create was killed and given up: deleting B takes it out of the
     // group it was left in, and the group goes with its last member.
-    delete_volume(&env, &b)
+    env.delete_volume(&b)
         .await
         .unwrap_or_else(|e| panic!("B, left in G1's group: {e}"));
     assert!(rbd::group_list(io).unwrap().is_empty());
@@ -453,7 +442,7 @@ async fn a_failed_group_snapshot_leaves_no_group_and_every_source_deletable() {
     let d_image = VolumeId::parse(&d).unwrap().image;
     rbd::group_create(io, "user-group").unwrap();
     rbd::group_image_add(io, "user-group", io, &d_image).unwrap();
-    let e = delete_volume(&env, &d).await.unwrap_err();
+    let e = env.delete_volume(&d).await.unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
     assert!(e.message().contains("user-group"), "{e}");
     assert_eq!(
@@ -463,7 +452,7 @@ async fn a_failed_group_snapshot_leaves_no_group_and_every_source_deletable() {
     );
     rbd::group_image_remove(io, "user-group", io, &d_image).unwrap();
     rbd::group_remove(io, "user-group").unwrap();
-    delete_volume(&env, &d).await.unwrap();
+    env.delete_volume(&d).await.unwrap();
 }
 
 /// The members agree on one instant while a client writes to both

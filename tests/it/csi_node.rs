@@ -12,9 +12,8 @@ use std::time::{Duration, Instant};
 use rbdkit::csi::proto::{
     volume_health::VolumeHealthEntry, CapacityRange, ControllerExpandVolumeRequest,
     DeleteVolumeRequest, NodeExpandVolumeRequest, NodeGetCapabilitiesRequest, NodeGetInfoRequest,
-    NodeGetStorageHealthRequest, NodeGetVolumeHealthRequest, NodeGetVolumeStatsRequest,
-    NodePublishVolumeRequest, NodeUnpublishVolumeRequest, NodeUnstageVolumeRequest,
-    VolumeCapability, VolumeHealthErrorType,
+    NodeGetVolumeHealthRequest, NodeGetVolumeStatsRequest, NodePublishVolumeRequest,
+    NodeUnpublishVolumeRequest, NodeUnstageVolumeRequest, VolumeCapability, VolumeHealthErrorType,
 };
 use rbdkit::rbd::Image;
 use rbdkit::volume::VolumeId;
@@ -111,12 +110,7 @@ async fn unstage(env: &CsiEnv, id: &str, p: &Paths) {
 }
 
 async fn delete(env: &CsiEnv, id: &str) {
-    env.controller()
-        .await
-        .delete_volume(DeleteVolumeRequest {
-            volume_id: id.to_owned(),
-            secrets: env.secrets(),
-        })
+    env.delete_volume(id)
         .await
         .unwrap_or_else(|e| panic!("DeleteVolume: {e}"));
 }
@@ -500,13 +494,7 @@ async fn health_reports_a_dead_mapper_as_inaccessible() {
     assert_eq!(ok.usage.len(), 2);
     assert_eq!(health(&env, &id, &p, true).await, vec![]);
     assert_eq!(health(&env, &id, &p, false).await, vec![]);
-    let storage = env
-        .node()
-        .await
-        .node_get_storage_health(NodeGetStorageHealthRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let storage = env.storage_health().await;
     assert_eq!(storage.backend_health, vec![]);
     env.mapper.as_mut().unwrap().kill9();
     let bad = health(&env, &id, &p, true).await;
@@ -518,13 +506,7 @@ async fn health_reports_a_dead_mapper_as_inaccessible() {
     );
     // Without the publish path too (the staging mount is read instead).
     assert!(!health(&env, &id, &p, false).await.is_empty());
-    let storage = env
-        .node()
-        .await
-        .node_get_storage_health(NodeGetStorageHealthRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let storage = env.storage_health().await;
     assert!(
         storage
             .backend_health

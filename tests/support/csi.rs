@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use rbdkit::csi::proto::{
     controller_client::ControllerClient, identity_client::IdentityClient, node_client::NodeClient,
-    volume_capability, CapacityRange, CreateVolumeRequest, NodeStageVolumeRequest,
+    volume_capability, CapacityRange, CreateVolumeRequest, DeleteVolumeRequest,
+    NodeGetStorageHealthRequest, NodeGetStorageHealthResponse, NodeStageVolumeRequest,
     VolumeCapability,
 };
 use serde_json::json;
@@ -208,6 +209,28 @@ impl CsiEnv {
     /// A Node client.
     pub async fn node(&self) -> NodeClient<Channel> {
         NodeClient::new(channel(&self.socket).await)
+    }
+
+    /// NodeGetStorageHealth of this node.
+    pub async fn storage_health(&self) -> NodeGetStorageHealthResponse {
+        self.node()
+            .await
+            .node_get_storage_health(NodeGetStorageHealthRequest::default())
+            .await
+            .unwrap_or_else(|e| panic!("NodeGetStorageHealth: {e}"))
+            .into_inner()
+    }
+
+    /// DeleteVolume of `id` with the controller's secrets.
+    pub async fn delete_volume(&self, id: &str) -> Result<(), tonic::Status> {
+        self.controller()
+            .await
+            .delete_volume(DeleteVolumeRequest {
+                volume_id: id.to_owned(),
+                secrets: self.secrets(),
+            })
+            .await
+            .map(|_| ())
     }
 
     /// A path in the working folder.
