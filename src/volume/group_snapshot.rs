@@ -357,7 +357,7 @@ fn undo_scaffolding(
 }
 
 /// Takes `image` out of every RBD group of its pool and namespace that is
-/// rbdkit's group-snapshot scaffolding (marked, see [`GROUP_MARKER`]),
+/// rbdkit's group-snapshot scaffolding (marked by a RADOS object `rbdkit.group.<name>`),
 /// removing a group it was the last member of: a create killed or
 /// abandoned half-way can leave a source in one, and librbd refuses to
 /// remove an image in a group (`EMLINK`). Any other group is
