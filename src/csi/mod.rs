@@ -117,20 +117,17 @@ pub struct CsiArgs {
     #[arg(long, default_value = "30s")]
     pub ceph_op_timeout: humantime::Duration,
 
-    /// Break the staging lock of a node that died with a volume staged:
-    /// once an image locked by another node has had no watcher for
-    /// --dead-lock-grace, blocklist that node's clients (the lock holder and
-    /// the data-path clients it recorded) and take the lock over. Without
-    /// it such a stage is refused, naming the holder. Needs a mon cap that
-    /// allows `osd blocklist` (`profile rbd` does).
-    #[arg(long)]
+    /// Removed: a lock is no longer broken because an image lost its
+    /// watcher (live nodes lose watches too). A dead node is fenced and its
+    /// locks broken when its Node gets the `node.kubernetes.io/out-of-service`
+    /// taint (the provisioner does it). Accepted so that old manifests
+    /// start, and ignored with a warning.
+    #[arg(long, hide = true)]
     pub break_dead_locks: bool,
 
-    /// How long an image locked by another node must have had no watcher
-    /// before --break-dead-locks fences that node (longer than any stage
-    /// takes between taking the lock and mapping).
-    #[arg(long, default_value = "5m")]
-    pub dead_lock_grace: humantime::Duration,
+    /// Removed with --break-dead-locks; ignored.
+    #[arg(long, hide = true)]
+    pub dead_lock_grace: Option<humantime::Duration>,
 
     /// Bound on each readiness check of Probe.
     #[arg(long, default_value = "2s")]
@@ -252,6 +249,13 @@ pub async fn run_until(
     let with_node = args.mode != Mode::Controller;
     let mut ready_check: Option<identity::ReadyCheck> = None;
     let node_service = if with_node {
+        if args.break_dead_locks || args.dead_lock_grace.is_some() {
+            tracing::warn!(
+                "--break-dead-locks and --dead-lock-grace are ignored: a dead node's locks are \
+                 broken once its Node has the node.kubernetes.io/out-of-service taint, by the \
+                 provisioner, after it fenced the node"
+            );
+        }
         let (list, default) = mappers(&args)?;
         std::fs::create_dir_all(&args.state_dir)
             .with_context(|| format!("creating {}", args.state_dir.display()))?;
@@ -260,8 +264,7 @@ pub async fn run_until(
         }
         Some(
             node::NodeService::new(Arc::clone(&driver), list, default, args.state_dir.clone())
-                .default_fs(args.default_fstype.clone())
-                .break_dead_locks(args.break_dead_locks.then(|| args.dead_lock_grace.into())),
+                .default_fs(args.default_fstype.clone()),
         )
     } else {
         None

@@ -29,10 +29,10 @@
 //! naming the holder, with nothing mapped. Multi-node-multi-writer Block
 //! (RWX, live migration) takes it shared, so any number of nodes stage it,
 //! and none exclusively meanwhile. Read-only stages take no lock. Unstaging
-//! releases it. A node that died with the lock is fenced (its clients
-//! blocklisted) and its lock broken only with `--break-dead-locks`, once the
-//! image has had no watcher for `--dead-lock-grace`; otherwise the stage is
-//! refused naming the holder. NodeUnstageVolume carries no secrets: it
+//! releases it. Another node's lock is never broken here: the stage is
+//! refused naming the holder until that node unstages, or, if it is dead,
+//! until its Node gets the `node.kubernetes.io/out-of-service` taint and
+//! the provisioner has fenced it and broken its locks. NodeUnstageVolume carries no secrets: it
 //! releases with the credentials an earlier call brought; after a restart
 //! of this server with none yet, the release waits (in the state dir) for
 //! the next call that brings credentials for that cluster.
@@ -57,8 +57,8 @@
 use std::collections::HashMap;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tonic::{Request, Response, Status};
@@ -206,16 +206,7 @@ pub struct NodeService {
     default_mapper: String,
     state_dir: PathBuf,
     default_fs: String,
-    /// `--break-dead-locks`: the grace period, when on.
-    break_dead: Option<Duration>,
-    /// Per volume: the other nodes' locks seen with no watcher on the image,
-    /// and since when.
-    dead_seen: Mutex<HashMap<String, DeadSeen>>,
 }
-
-/// Other nodes' lock holders (client, cookie) of an image seen with no
-/// watcher, and since when.
-type DeadSeen = (Vec<(String, String)>, Instant);
 
 /// A request's secrets, zeroed when dropped (the key's copy in the request).
 struct Secrets(HashMap<String, String>);
@@ -245,18 +236,7 @@ impl NodeService {
             default_mapper,
             state_dir,
             default_fs: "ext4".to_owned(),
-            break_dead: None,
-            dead_seen: Mutex::new(HashMap::new()),
         }
-    }
-
-    /// `--break-dead-locks`: with `Some(grace)`, a stage that finds another
-    /// node's lock on an image nobody has watched for `grace` fences that
-    /// node and takes the lock over ([`stage_lock::ImageLock::fence_and_break`]);
-    /// with `None` (the default) it is refused, naming the holder.
-    pub fn break_dead_locks(mut self, grace: Option<Duration>) -> NodeService {
-        self.break_dead = grace;
-        self
     }
 
     /// The filesystem for mount volumes whose capability names none
@@ -376,14 +356,11 @@ impl NodeService {
     }
 
     /// Takes the staging lock of `vol` in `mode` for this node. Another
-    /// node's lock is a FAILED_PRECONDITION naming it, unless
-    /// `--break-dead-locks` is on and that node looks dead: no client has
-    /// watched the image for the grace period. Then its clients are
-    /// blocklisted and its lock broken first.
+    /// node's lock is a FAILED_PRECONDITION naming it and saying how a dead
+    /// node's lock is broken.
     async fn take_lock(
         &self,
         vol: &VolumeId,
-        id: &str,
         secrets: &HashMap<String, String>,
         mode: LockMode,
         mapped_here: bool,
@@ -395,10 +372,7 @@ impl NodeService {
                 .with_lock(vol, secrets, move |l| l.acquire(mode, &n))
                 .await?;
             let holders = match got {
-                Acquired::Taken | Acquired::Ours => {
-                    self.dead_seen_lock().remove(id);
-                    return Ok(());
-                }
+                Acquired::Taken | Acquired::Ours => return Ok(()),
                 Acquired::OursInOtherMode if !mapped_here && round == 0 => {
                     // An interrupted stage with another capability: nothing
                     // of it is mapped, so its lock can go.
@@ -414,81 +388,18 @@ impl NodeService {
                 Acquired::Refused(h) => h,
             };
             let who = stage_lock::describe(&holders);
-            let how = "If that node is dead, fence it (blocklist its clients) and break the \
-                       lock, or run the node plugin with --break-dead-locks to have that done \
-                       once the image has had no watcher for --dead-lock-grace.";
-            let refused = |why: String| {
-                Status::failed_precondition(format!(
-                    "image {vol} is locked for staging by {who} (lock {:?} on its header): {why}. {how}",
-                    stage_lock::LOCK_NAME
-                ))
-            };
-            let held_by = "it is staged there, and a read-write volume is staged on one node \
-                           at a time (unstage it there first)";
-            let Some(grace) = self.break_dead else {
-                return Err(refused(held_by.to_owned()));
-            };
-            let watchers = self.with_lock(vol, secrets, |l| l.watchers()).await?;
-            if !watchers.is_empty() {
-                self.dead_seen_lock().remove(id);
-                return Err(refused(format!(
-                    "{held_by}; {} watch the image",
-                    watchers.join(", ")
-                )));
-            }
-            let key: Vec<(String, String)> = holders
-                .lockers
-                .iter()
-                .map(|l| (l.client.clone(), l.cookie.clone()))
-                .collect();
-            let since = {
-                let mut seen = self.dead_seen_lock();
-                match seen.get(id) {
-                    Some((k, t)) if *k == key => *t,
-                    _ => {
-                        seen.insert(id.to_owned(), (key, Instant::now()));
-                        Instant::now()
-                    }
-                }
-            };
-            if since.elapsed() < grace {
-                return Err(refused(format!(
-                    "no client has watched the image for {} s; if none does for {} s, that \
-                     node is fenced and its lock broken (--break-dead-locks)",
-                    since.elapsed().as_secs(),
-                    grace.as_secs()
-                )));
-            }
-            let lockers = holders.lockers.clone();
-            let me = stage_lock::cookie(&node);
-            let fenced = self
-                .with_lock(vol, secrets, move |l| {
-                    let mut all = Vec::new();
-                    for h in lockers.iter().filter(|h| h.cookie != me) {
-                        all.extend(l.fence_and_break(h)?);
-                    }
-                    Ok(all)
-                })
-                .await
-                .map_err(|e| {
-                    Status::failed_precondition(format!(
-                        "image {vol} is locked for staging by {who}, which has not watched it \
-                         for {} s, but its lock is not broken: {}",
-                        grace.as_secs(),
-                        e.message()
-                    ))
-                })?;
-            tracing::warn!(volume = %vol, holders = %who, blocklisted = ?fenced,
-                "fenced a node that died with the staging lock and broke its lock");
-            self.dead_seen_lock().remove(id);
+            return Err(Status::failed_precondition(format!(
+                "image {vol} is locked for staging by {who} (lock {:?} on its header): it is \
+                 staged there, and a read-write volume is staged on one node at a time \
+                 (unstage it there first). If that node is dead, taint it: kubectl taint \
+                 node NODE node.kubernetes.io/out-of-service=nodeshutdown:NoExecute; the \
+                 provisioner then fences it and breaks its locks.",
+                stage_lock::LOCK_NAME
+            )));
         }
         Err(Status::aborted(format!(
             "the staging lock of image {vol} kept changing hands; try again"
         )))
-    }
-
-    fn dead_seen_lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, DeadSeen>> {
-        self.dead_seen.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn pending_dir(&self) -> PathBuf {
@@ -942,7 +853,7 @@ impl Node for NodeService {
 
         // Single writer: the lock before the map.
         if let Some(lm) = lock_mode {
-            if let Err(e) = self.take_lock(&vol, &id, &secrets.0, lm, mapped_here).await {
+            if let Err(e) = self.take_lock(&vol, &secrets.0, lm, mapped_here).await {
                 // Not ours to release: only undo the stash.
                 if !mapped_here {
                     Stash::remove(&staging)?;

@@ -30,24 +30,30 @@
 //!   librbd alone.
 //! - **A lock that persists** outlives a crashed holder, which is the point
 //!   (a `kill -9` between map and mount must not let another node in), and
-//!   the cost: a node that dies with volumes staged keeps their locks. They
-//!   are broken only after the holder is fenced: its librados clients are
-//!   blocklisted first (the lock holder's address and the data-path clients
-//!   it recorded when it mapped, [`ImageLock::record_clients`]), so a node
-//!   that was only cut off cannot write after another took over.
-//!   [`ImageLock::fence_and_break`] does that; the node service calls it
-//!   only when configured to (`--break-dead-locks`) and only for an image
-//!   that has had no watcher for a grace period. Otherwise the stage is
-//!   refused with FAILED_PRECONDITION naming the holder.
+//!   the cost: a node that dies with volumes staged keeps their locks. A
+//!   lock is broken only when its node is declared dead (the Node's
+//!   `node.kubernetes.io/out-of-service` taint) and after the whole node is
+//!   fenced: every client from its addresses blocklisted
+//!   ([`crate::volume::node_fence`]), so a node that was only cut off
+//!   cannot write after another took over, through any client it has or
+//!   starts later. The provisioner does that
+//!   (`crate::provisioner::out_of_service`, with
+//!   [`ImageLock::node_clients`] and [`ImageLock::break_node`]). A missing
+//!   watcher is never taken as a sign of death: live nodes leave locks too
+//!   (a deferred release), and their other volumes share the clients a
+//!   fence would cut.
 //!
 //! Everything here is blocking and bounded by the connection's timeouts (one
 //! OSD operation per lock call, the mon-op timeout for a blocklist entry).
 
+use std::net::IpAddr;
+
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, ErrorKind, Result};
-use crate::rados::{Cluster, IoCtx, ObjectLocker, ObjectLockers};
+use crate::rados::{Cluster, IoCtx, ObjectLockers};
 use crate::rbd::Image;
+use crate::volume::node_fence::addr_ip;
 
 /// The lock's name on the header object.
 pub const LOCK_NAME: &str = "rbdkit.stage";
@@ -210,7 +216,8 @@ impl ImageLock {
     }
 
     /// Records `clients` (watcher addresses) as `node_id`'s data-path
-    /// clients of the image, for [`ImageLock::fence_and_break`].
+    /// clients of the image, for [`ImageLock::node_clients`] (what fencing
+    /// the node blocklists).
     pub fn record_clients(&self, node_id: &str, clients: &[String]) -> Result<()> {
         let value = serde_json::to_vec(clients).unwrap_or_default();
         self.io
@@ -239,66 +246,67 @@ impl ImageLock {
         }
     }
 
-    /// Fences `holder` and breaks its lock: checks that no client but the
-    /// holder and the data-path clients its node recorded watches the
-    /// image, blocklists those (`osd blocklist add`, the cluster's default
-    /// expiry), checks again, then breaks the lock. Returns the addresses
-    /// blocklisted. Fails (breaking nothing) when a blocklist entry is
-    /// refused (the user's mon caps) or another client has the image open;
-    /// in the latter case nothing is blocklisted either, unless that client
-    /// appeared between the first check and the blocklist.
-    pub fn fence_and_break(&self, holder: &ObjectLocker) -> Result<Vec<String>> {
-        let node = node_of(&holder.cookie);
-        let mut fence = vec![holder.addr.clone()];
-        if let Some(n) = node {
-            fence.extend(self.recorded_clients(n)?);
-        }
-        fence.retain(|a| !a.is_empty());
-        fence.sort();
-        fence.dedup();
-        // Before any blocklist entry: a refused break must fence no one.
-        self.none_but(&fence)?;
-        let cluster = self.io.cluster();
-        for addr in &fence {
-            cluster.blocklist_add(addr, 0)?;
-        }
-        self.none_but(&fence)?;
-        match self
-            .io
-            .break_lock(&self.oid, LOCK_NAME, &holder.client, &holder.cookie)
-        {
-            Err(e) if e.kind() != ErrorKind::NotFound => return Err(e),
-            _ => {}
-        }
-        if let Some(n) = node {
-            self.forget_clients(n)?;
-        }
-        Ok(fence)
+    /// Every client address that `node_id` is known by on this image: the
+    /// lock holders under its cookie and the data-path clients it recorded
+    /// ([`ImageLock::record_clients`]). Their IPs are what fencing that
+    /// node blocklists ([`crate::volume::node_fence`]).
+    pub fn node_clients(&self, node_id: &str) -> Result<Vec<String>> {
+        let cookie = cookie(node_id);
+        let mut out: Vec<String> = self
+            .holders()?
+            .lockers
+            .into_iter()
+            .filter(|l| l.cookie == cookie)
+            .map(|l| l.addr)
+            .collect();
+        out.extend(self.recorded_clients(node_id)?);
+        out.retain(|a| !a.is_empty());
+        out.sort();
+        out.dedup();
+        Ok(out)
     }
-}
 
-impl ImageLock {
-    /// Fails (`Busy`, naming them) when a client outside `fence` watches
-    /// the image: it is in use, and its lock is not to be broken.
-    fn none_but(&self, fence: &[String]) -> Result<()> {
+    /// Breaks every lock `node_id` holds on the image and forgets its
+    /// recorded clients, once the node is fenced: `fenced` are the IPs
+    /// blocklisted. A watcher from any other address means someone else
+    /// has the image open: then nothing is broken (`Busy`, naming it).
+    /// Returns how many locks were broken.
+    pub fn break_node(&self, node_id: &str, fenced: &[IpAddr]) -> Result<usize> {
         let live: Vec<String> = self
             .watchers()?
             .into_iter()
-            .filter(|w| !fence.contains(w))
+            .filter(|w| addr_ip(w).is_none_or(|ip| !fenced.contains(&ip)))
             .collect();
-        if live.is_empty() {
-            return Ok(());
+        if !live.is_empty() {
+            return Err(Error::with_kind(
+                ErrorKind::Busy,
+                libc::EBUSY,
+                "rados_break_lock",
+                self.spec.clone(),
+                format!(
+                    "{} still watch the image from outside node {node_id}'s fenced \
+                     addresses: it is in use, the lock is not broken",
+                    live.join(", ")
+                ),
+            ));
         }
-        Err(Error::with_kind(
-            ErrorKind::Busy,
-            libc::EBUSY,
-            "rados_break_lock",
-            self.spec.clone(),
-            format!(
-                "{} still watch the image: it is in use, the lock is not broken",
-                live.join(", ")
-            ),
-        ))
+        let cookie = cookie(node_id);
+        let mut broken = 0;
+        for l in self.holders()?.lockers {
+            if l.cookie != cookie {
+                continue;
+            }
+            match self
+                .io
+                .break_lock(&self.oid, LOCK_NAME, &l.client, &l.cookie)
+            {
+                Err(e) if e.kind() != ErrorKind::NotFound => return Err(e),
+                Err(_) => {}
+                Ok(()) => broken += 1,
+            }
+        }
+        self.forget_clients(node_id)?;
+        Ok(broken)
     }
 }
 
@@ -322,6 +330,7 @@ pub fn describe(h: &ObjectLockers) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rados::ObjectLocker;
 
     #[test]
     fn cookies_name_the_node() {

@@ -60,32 +60,7 @@ pub async fn run(ctx: Arc<Context>, delay: Duration, interval: Duration, op_time
 pub async fn pass(ctx: &Context, op_timeout: Duration) -> Result<(usize, usize), String> {
     let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
     let mut survey = Survey::default();
-    // The watch cache already holds every PV: a LIST of them all would hold
-    // a second copy, and at 1000 PVs that was the provisioner's peak.
-    if let Some(cached) = ctx.cached_pvs() {
-        for pv in cached {
-            // Decoded one at a time, so only one full PV is held at once.
-            // A stripped PV is not ours: nothing to survey.
-            match pv.decode() {
-                Some(Ok(pv)) => survey.add(&pv, &ctx.name),
-                Some(Err(e)) => return Err(format!("cached PV {}: {e}", pv.name_any())),
-                None => {}
-            }
-        }
-    } else {
-        let mut params = ListParams::default().limit(crate::provisioner::LIST_PAGE_SIZE);
-        loop {
-            let page = pvs
-                .list(&params)
-                .await
-                .map_err(|e| format!("Kubernetes API: {e}"))?;
-            page.items.iter().for_each(|pv| survey.add(pv, &ctx.name));
-            match page.metadata.continue_.filter(|t| !t.is_empty()) {
-                Some(token) => params = params.continue_token(&token),
-                None => break,
-            }
-        }
-    }
+    for_each_pv(ctx, |pv| survey.add(pv, &ctx.name)).await?;
     let Survey { places, pending } = survey;
     let mut flattened = 0;
     let mut errors = Vec::new();
@@ -116,6 +91,40 @@ pub async fn pass(ctx: &Context, op_timeout: Duration) -> Result<(usize, usize),
         Ok((flattened, purged))
     } else {
         Err(errors.join("; "))
+    }
+}
+
+/// Calls `f` with every PV of ours, one at a time: from the watch cache
+/// while leading (a LIST of them all would hold a second copy, and at 1000
+/// PVs that was the provisioner's peak), else from paged LISTs.
+pub(crate) async fn for_each_pv(
+    ctx: &Context,
+    mut f: impl FnMut(&PersistentVolume),
+) -> Result<(), String> {
+    if let Some(cached) = ctx.cached_pvs() {
+        for pv in cached {
+            // Decoded one at a time, so only one full PV is held at once.
+            // A stripped PV is not ours.
+            match pv.decode() {
+                Some(Ok(pv)) => f(&pv),
+                Some(Err(e)) => return Err(format!("cached PV {}: {e}", pv.name_any())),
+                None => {}
+            }
+        }
+        return Ok(());
+    }
+    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
+    let mut params = ListParams::default().limit(crate::provisioner::LIST_PAGE_SIZE);
+    loop {
+        let page = pvs
+            .list(&params)
+            .await
+            .map_err(|e| format!("Kubernetes API: {e}"))?;
+        page.items.iter().for_each(&mut f);
+        match page.metadata.continue_.filter(|t| !t.is_empty()) {
+            Some(token) => params = params.continue_token(&token),
+            None => return Ok(()),
+        }
     }
 }
 

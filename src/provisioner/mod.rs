@@ -13,6 +13,8 @@
 //! - [`source`]: claims with a data source (clones, restores);
 //! - [`maintenance`]: background flattens and the trash, while leading.
 //! - [`snapshots`]: the VolumeSnapshotContent reconciler.
+//! - [`out_of_service`]: Nodes with the out-of-service taint fenced, their
+//!   staging locks broken, and the fence lifted when the taint goes.
 //!
 //! Parameters, the volume handle, the clusters config and the Ceph
 //! operations themselves are in [`crate::volume`], shared with the CSI
@@ -21,6 +23,7 @@
 pub mod controller;
 pub mod maintenance;
 pub mod metrics;
+pub mod out_of_service;
 pub mod pv;
 pub mod secrets;
 pub mod snapshots;
@@ -487,6 +490,7 @@ async fn run_controllers(
         with_snapshots,
         shutdown.clone(),
     );
+    let nodes = out_of_service::run(Arc::clone(&ctx), config.clone(), shutdown.clone());
     let strip = Arc::clone(&ctx);
     let pv_controller = Controller::for_stream(
         watch_all(pvs)
@@ -537,7 +541,7 @@ async fn run_controllers(
     );
     // `synced` never ends: it is dropped with the controllers.
     tokio::select! {
-        _ = async { futures::join!(claims, volumes, snapshots, classes) } => {}
+        _ = async { futures::join!(claims, volumes, snapshots, classes, nodes) } => {}
         _ = synced => {}
         _ = maintenance => {}
     }

@@ -598,6 +598,35 @@ impl Cluster {
         Ok(())
     }
 
+    /// Removes a blocklist entry (`ip:port/nonce`, or `ip:0/0` for a whole
+    /// address), so that clients from it are served again. An entry that is
+    /// not there is fine. Needs mon cap `allow command "osd blocklist"`
+    /// (`profile rbd` allows adding only). Bounded by the mon-op timeout.
+    /// Sends the mon command `osd blocklist rm` (librados has no call).
+    pub fn blocklist_rm(&self, client_addr: &str) -> Result<()> {
+        // An address has no character JSON would need escaped; anything
+        // else is not an address.
+        if client_addr.is_empty()
+            || !client_addr
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() || b".:[]/".contains(&b))
+        {
+            return Err(Error::invalid(
+                "osd blocklist rm",
+                client_addr,
+                "not a client address (ip:port/nonce)",
+            ));
+        }
+        let cmd = format!(
+            r#"{{"prefix": "osd blocklist", "blocklistop": "rm", "addr": "{client_addr}"}}"#
+        );
+        match self.mon_command(&cmd, &[]) {
+            Err(e) if e.errno() == libc::ENOENT => Ok(()),
+            Err(e) => Err(e),
+            Ok(_) => Ok(()),
+        }
+    }
+
     /// Waits until this client has the cluster's newest OSD map, so that
     /// every request it sends from now on carries that epoch, and an OSD
     /// serves it only once it has that map too (a fence: after

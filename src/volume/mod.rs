@@ -18,6 +18,7 @@
 //!   and the trash for sources that still have clones.
 //! - [`group_snapshot`]: volume group snapshots, one instant for several
 //!   volumes, each member an ordinary snapshot.
+//! - [`node_fence`]: fencing a whole node by its addresses, and lifting it.
 //!
 //! Nothing here knows about Kubernetes objects (callers pass plain values)
 //! except [`pv`] and [`legacy`], whose input is PVs themselves.
@@ -27,6 +28,7 @@ pub mod gc;
 pub mod group_snapshot;
 pub mod id;
 pub mod legacy;
+pub mod node_fence;
 pub mod ops;
 pub mod params;
 pub mod pv;

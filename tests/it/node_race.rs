@@ -1,17 +1,20 @@
 //! Single writer, really: two node services (each `rbdkit csi --mode all`
 //! with its own `rbdkit fuse-mapper`, state dir and node id) stage the same
 //! volume at the same moment. A read-write (RWO) volume ends up staged on
-//! exactly one of them; RWX Block on both; a dead node's lock is broken only
-//! when that is configured, and only after its clients are blocklisted.
+//! exactly one of them; RWX Block on both; a live node's lock is never
+//! broken (a dead node's is, by the provisioner, once the node is declared
+//! out of service: `tests/it/provisioner_out_of_service.rs`).
 use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use rbdkit::csi::proto::{volume_capability, NodeUnstageVolumeRequest, VolumeCapability};
+use rbdkit::csi::proto::{volume_capability, VolumeCapability};
 use rbdkit::node::fuse::FuseMapper;
+use rbdkit::node::stage_lock::{Acquired, ImageLock, LockMode};
 use rbdkit::rbd::Image;
 use rbdkit::volume::VolumeId;
+use support::ceph::{TestCluster, TestNs, POOL};
 use support::csi::{mount_cap, CsiEnv, Mode};
 use tonic::Code;
 
@@ -51,17 +54,6 @@ fn loop_devices_of(env: &CsiEnv) -> Vec<PathBuf> {
 
 fn mounted(p: &Path) -> bool {
     rbdkit::node::mount::is_mount_point(p).unwrap_or(false)
-}
-
-async fn unstage(env: &CsiEnv, id: &str, staging: &Path) {
-    env.node()
-        .await
-        .node_unstage_volume(NodeUnstageVolumeRequest {
-            volume_id: id.to_owned(),
-            staging_target_path: staging.display().to_string(),
-        })
-        .await
-        .unwrap_or_else(|e| panic!("NodeUnstageVolume on {}: {e}", env.node_id));
 }
 
 async fn delete(env: &CsiEnv, id: &str) {
@@ -163,7 +155,7 @@ async fn two_nodes_racing_for_one_rwo_volume_exactly_one_wins_20_rounds() {
             "round {round}: the winner's mount"
         );
         holds_nothing(loser, &id, ls, round);
-        unstage(winner, &id, ws).await;
+        winner.unstage(&id, ws).await;
         delete(&a, &id).await;
     }
     eprintln!("wins: node-a {}, node-b {}", wins[0], wins[1]);
@@ -203,143 +195,126 @@ async fn rwx_block_is_staged_on_both_nodes_and_rwo_is_refused_meanwhile() {
     assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
     holds_nothing(&c, &id, &sc, 0);
 
-    unstage(&a, &id, &sa).await;
-    unstage(&b, &id, &sb).await;
+    a.unstage(&id, &sa).await;
+    b.unstage(&id, &sb).await;
     // Released by both: now it stages single-writer.
     c.node()
         .await
         .node_stage_volume(c.stage_request(&id, &sc, support::csi::block_cap()))
         .await
         .unwrap_or_else(|e| panic!("RWO stage after both unstaged: {e}"));
-    unstage(&c, &id, &sc).await;
+    c.unstage(&id, &sc).await;
     delete(&a, &id).await;
 }
 
-/// The `osd blocklist ls` entries (addresses).
-fn blocklist() -> Vec<String> {
-    let out = support::ceph::mon_json(serde_json::json!({
-        "prefix": "osd blocklist ls", "format": "json",
-    }))
-    .expect("osd blocklist ls");
-    // The first JSON value (the monitor may append more after it).
-    let v: serde_json::Value = serde_json::Deserializer::from_slice(&out)
-        .into_iter()
-        .next()
-        .and_then(Result::ok)
-        .unwrap_or_default();
-    v.as_array()
-        .map(|a| {
-            a.iter()
-                .filter_map(|e| e["addr"].as_str().map(str::to_owned))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-fn unblocklist(addr: &str) {
-    let _ = support::ceph::mon_json(serde_json::json!({
-        "prefix": "osd blocklist", "blocklistop": "rm", "addr": addr,
-    }));
-}
-
+/// A node that is alive keeps its lock, however long its image has had
+/// no watcher: here node-a's plugin was killed between unmapping a volume
+/// and releasing its lock (a live node's leftover lock, as a deferred
+/// release also leaves), and node-b, run with the old `--break-dead-locks
+/// --dead-lock-grace 1s`, is refused for as long as it asks, nothing is
+/// blocklisted, and node-a's other volume keeps working. Before, node-b
+/// blocklisted node-a's plugin and mapper clients after the grace period
+/// (failing every volume of node-a) and broke the lock.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_dead_nodes_lock_is_broken_only_after_its_clients_are_blocklisted() {
-    let mut a = CsiEnv::new("race-dead", Mode::All).await;
-    let id = a
-        .create_volume("pvc-dead", 32 * MIB, mount_cap("ext4"))
-        .await;
-    let image = VolumeId::parse(&id).unwrap().image;
-    let sa = staging(&a, "d");
-    a.node()
-        .await
-        .node_stage_volume(a.stage_request(&id, &sa, mount_cap("ext4")))
-        .await
-        .unwrap();
-    // The mapper's librados client, as its state records it.
-    let state: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(a.path("mapper/state.json")).unwrap()).unwrap();
-    let mapper_client = state.to_string();
-    let before = blocklist();
+async fn a_live_node_whose_image_lost_its_watcher_is_never_fenced() {
+    let mut a = CsiEnv::new("race-alive", Mode::All).await;
+    let cap = || mount_cap("ext4");
+    let lost = a.create_volume("pvc-lost", 32 * MIB, cap()).await;
+    let other = a.create_volume("pvc-other", 32 * MIB, cap()).await;
+    let (s_lost, s_other) = (staging(&a, "lost"), staging(&a, "other"));
+    for (id, s) in [(&lost, &s_lost), (&other, &s_other)] {
+        a.node()
+            .await
+            .node_stage_volume(a.stage_request(id, s, cap()))
+            .await
+            .unwrap_or_else(|e| panic!("stage {id} on node-a: {e}"));
+    }
+    let before = support::ceph::blocklist_addrs();
 
-    // node-a dies: its plugin and its mapper, with no unstage.
+    // node-a's plugin dies halfway through unstaging `lost`: unmounted,
+    // its loop device gone, unmapped, the lock still held.
     a.csi.kill9();
-    a.mapper.as_mut().unwrap().kill9();
+    let file = mapper(&a).find(&lost).unwrap().expect("lost is mapped");
+    let umount = std::process::Command::new("umount")
+        .arg(s_lost.join("volume"))
+        .status()
+        .unwrap();
+    assert!(umount.success(), "umount");
+    for dev in rbdkit::node::loopdev::find_by_backing_file(&file) {
+        rbdkit::node::loopdev::detach(&dev).unwrap();
+    }
+    use rbdkit::node::Mapper;
+    mapper(&a).unmap(&lost, &[]).unwrap();
+    let image = VolumeId::parse(&lost).unwrap().image;
+    let watchers = Image::open_read_only(&a.rbd.ioctx, &image)
+        .unwrap()
+        .watchers()
+        .unwrap();
+    assert!(watchers.is_empty(), "{watchers:?}");
+    a.csi.restart();
+    let l = ImageLock::open(&support::ceph::cluster(), POOL, &a.rbd.name, &image).unwrap();
+    let a_clients = l.node_clients("node-a").unwrap();
+    assert!(
+        a_clients.len() >= 2,
+        "node-a's plugin and mapper: {a_clients:?}"
+    );
 
-    // Without --break-dead-locks, another node is refused, naming node-a,
-    // also once node-a's last watch on the image is gone.
-    let b = node_of(&a, "node-b", &[]).await;
-    let sb = staging(&b, "d");
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
-        let watchers = Image::open_read_only(&a.rbd.ioctx, &image)
-            .unwrap()
-            .watchers()
-            .unwrap();
+    let b = node_of(
+        &a,
+        "node-b",
+        &["--break-dead-locks", "--dead-lock-grace", "1s"],
+    )
+    .await;
+    let sb = staging(&b, "lost");
+    let until = Instant::now() + Duration::from_secs(8);
+    while Instant::now() < until {
         let e = b
             .node()
             .await
-            .node_stage_volume(b.stage_request(&id, &sb, mount_cap("ext4")))
+            .node_stage_volume(b.stage_request(&lost, &sb, cap()))
             .await
-            .unwrap_err();
+            .expect_err("node-b staged a volume node-a holds");
         assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
         assert!(e.message().contains("node-a"), "names the holder: {e}");
-        holds_nothing(&b, &id, &sb, 0);
-        if watchers.is_empty() {
-            assert!(e.message().contains("--break-dead-locks"), "says how: {e}");
-            break;
-        }
-        assert!(Instant::now() < deadline, "node-a's watch never expired");
-        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(
+            e.message().contains("node.kubernetes.io/out-of-service"),
+            "says how a dead node's lock goes: {e}"
+        );
+        holds_nothing(&b, &lost, &sb, 0);
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
-    drop(b);
-
-    // With it, the lock is broken after the grace period, once node-a's
-    // clients are blocklisted.
-    let c = node_of(
-        &a,
-        "node-c",
-        &["--break-dead-locks", "--dead-lock-grace", "3s"],
-    )
-    .await;
-    let sc = staging(&c, "d");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut refused = 0;
-    loop {
-        match c
-            .node()
-            .await
-            .node_stage_volume(c.stage_request(&id, &sc, mount_cap("ext4")))
-            .await
-        {
-            Ok(_) => break,
-            Err(e) => {
-                assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
-                assert!(e.message().contains("node-a"), "{e}");
-                refused += 1;
-                assert!(Instant::now() < deadline, "never broken: {e}");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        }
-    }
-    assert!(refused >= 1, "the grace period was not waited");
-    let added: Vec<String> = blocklist()
+    // Other tests fence their own clients meanwhile: only node-a's
+    // clients (and their whole address) matter here.
+    let bare = |a: &str| {
+        let a = a.trim_start_matches("v1:").trim_start_matches("v2:");
+        a.trim_start_matches("any:").to_owned()
+    };
+    let mut node_a: Vec<String> = a_clients.iter().map(|c| bare(c)).collect();
+    node_a.extend(a_clients.iter().filter_map(|c| {
+        rbdkit::volume::node_fence::addr_ip(c).map(rbdkit::volume::node_fence::ip_entry)
+    }));
+    let added: Vec<String> = support::ceph::blocklist_addrs()
         .into_iter()
-        .filter(|x| !before.contains(x))
+        .filter(|x| !before.contains(x) && node_a.contains(x))
         .collect();
-    for addr in &added {
-        unblocklist(addr);
-    }
-    assert!(
-        added.len() >= 2,
-        "node-a's plugin and mapper clients are blocklisted: {added:?}"
-    );
-    assert!(
-        added.iter().any(|x| mapper_client.contains(x.as_str())),
-        "node-a's mapper client ({mapper_client}) is among {added:?}"
-    );
-    std::fs::write(sc.join("volume/after"), b"c owns it").unwrap();
-    unstage(&c, &id, &sc).await;
-    delete(&c, &id).await;
+    assert!(added.is_empty(), "a live node was blocklisted: {added:?}");
+    // node-a's other volume works.
+    let f = s_other.join("volume/still-here");
+    std::fs::write(&f, b"node-a is alive").unwrap();
+    std::fs::File::open(&f).unwrap().sync_all().unwrap();
+
+    // The lock is node-a's until it is broken on purpose: break_node
+    // takes it (no client watches the image), and node-b stages.
+    assert_eq!(l.break_node("node-a", &[]).unwrap(), 1);
+    b.node()
+        .await
+        .node_stage_volume(b.stage_request(&lost, &sb, cap()))
+        .await
+        .unwrap_or_else(|e| panic!("stage on node-b once the lock is broken: {e}"));
+    b.unstage(&lost, &sb).await;
+    a.unstage(&other, &s_other).await;
+    delete(&a, &lost).await;
+    delete(&a, &other).await;
 }
 
 /// Kill -9 and restart of the node plugin, then NodeUnstage with no
@@ -381,12 +356,12 @@ async fn a_restarted_plugin_releases_its_lock_at_unstage_without_secrets() {
 
     // Killed again, and unstaged by a server that has seen no secrets.
     a.csi.restart();
-    unstage(&a, &id, &sa).await;
+    a.unstage(&id, &sa).await;
     assert!(!mounted(&sa.join("volume")));
     stage(&b, &id, &sb)
         .await
         .unwrap_or_else(|e| panic!("node-b, right after node-a unstaged: {e}"));
-    unstage(&b, &id, &sb).await;
+    b.unstage(&id, &sb).await;
     delete(&a, &id).await;
 }
 
@@ -435,25 +410,22 @@ async fn a_stage_killed_at_any_point_converges_on_retry_and_unstage_releases() {
             .await
             .unwrap_err();
         assert_eq!(e.code(), Code::FailedPrecondition, "round {round}: {e}");
-        unstage(&a, &id, &sa).await;
+        a.unstage(&id, &sa).await;
         b.node()
             .await
             .node_stage_volume(b.stage_request(&id, &sb, mount_cap("ext4")))
             .await
             .unwrap_or_else(|e| panic!("round {round}: after node-a unstaged: {e}"));
-        unstage(&b, &id, &sb).await;
+        b.unstage(&id, &sb).await;
         delete(&a, &id).await;
     }
 }
 
-/// A break refused because a client that is not the holder's still has
-/// the image open fences no one (a live node must never be blocklisted).
-/// Before, the holder's address and its node's recorded clients were
-/// blocklisted first and the watchers checked after.
+/// A node's locks are not broken while a client from outside its fenced
+/// addresses has the image open (someone else uses it), and are once none
+/// does.
 #[test]
-fn a_refused_break_blocklists_no_one() {
-    use rbdkit::node::stage_lock::{Acquired, ImageLock, LockMode};
-    use support::ceph::{TestCluster, TestNs, POOL};
+fn break_node_spares_an_image_open_outside_the_fence() {
     let ns = TestNs::new("race-refused");
     rbdkit::rbd::create(&ns.ioctx, "img", 8 << 20, &rbdkit::rbd::ImageOptions::new()).unwrap();
     let ceph = TestCluster::get();
@@ -464,7 +436,7 @@ fn a_refused_break_blocklists_no_one() {
         holder.acquire(LockMode::Exclusive, "node-x").unwrap(),
         Acquired::Taken
     ));
-    // Another client, which no node recorded, has the image open.
+    // Another client, on an address that is not node-x's, has the image open.
     let user_client = ceph.connect();
     let io = user_client.ioctx_ns(POOL, &ns.name).unwrap();
     let open = Image::open(&io, "img").unwrap();
@@ -472,21 +444,21 @@ fn a_refused_break_blocklists_no_one() {
     let breaker = ImageLock::open(&support::ceph::cluster(), POOL, &ns.name, "img").unwrap();
     let held = breaker.holders().unwrap().lockers;
     assert_eq!(held.len(), 1);
-    let e = breaker.fence_and_break(&held[0]).unwrap_err();
+    let node_x: std::net::IpAddr = "192.0.2.7".parse().unwrap();
+    let e = breaker.break_node("node-x", &[node_x]).unwrap_err();
     assert_eq!(e.kind(), rbdkit::ErrorKind::Busy, "{e}");
-    let ls = support::ceph::mon_json(serde_json::json!({
-        "prefix": "osd blocklist ls",
-        "format": "json"
-    }))
-    .unwrap();
-    let ls = String::from_utf8_lossy(&ls);
-    // Listed without the messenger prefix (`v1:`).
-    let addr = held[0].addr.split_once(':').map_or("", |(_, a)| a);
-    assert!(addr.contains('/'), "{:?}", held[0].addr);
-    assert!(
-        !ls.contains(addr),
-        "the break was refused, yet {addr} was blocklisted: {ls}"
-    );
     assert_eq!(breaker.holders().unwrap().lockers, held, "the lock changed");
+    assert_eq!(
+        breaker.node_clients("node-x").unwrap(),
+        vec![held[0].addr.clone()],
+        "node-x is known by its lock holder's address"
+    );
     drop(open);
+    assert_eq!(breaker.break_node("node-x", &[node_x]).unwrap(), 1);
+    assert!(breaker.holders().unwrap().lockers.is_empty());
+    assert_eq!(
+        breaker.break_node("node-x", &[node_x]).unwrap(),
+        0,
+        "a repeat"
+    );
 }

@@ -281,6 +281,78 @@ pub fn node_key() -> String {
         .clone()
 }
 
+/// A provisioner user that may also lift fences: `profile rbd` plus
+/// `allow command "osd blocklist"` on the mon (deploy/README.md).
+pub const FENCER_USER: &str = "rbdkit-test-fencer";
+
+/// [`FENCER_USER`]'s key.
+pub fn fencer_key() -> String {
+    static KEY: OnceLock<String> = OnceLock::new();
+    KEY.get_or_init(|| {
+        let caps = [
+            "mon".into(),
+            "profile rbd, allow command \"osd blocklist\"".into(),
+            "osd".into(),
+            format!("profile rbd pool={POOL}"),
+        ];
+        user_with_caps(FENCER_USER, &caps)
+    })
+    .clone()
+}
+
+/// The environment that makes a process's Ceph clients come from `ip`, a
+/// loopback address other than the cluster's (127.0.0.1): librados cannot
+/// be told a client's source address, so the LD_PRELOAD library of
+/// `tests/fixtures/bind-source` (built with cc on first use) binds each
+/// IPv4 socket to `ip` before it connects. What fences a node by address
+/// needs nodes that have addresses of their own.
+pub fn from_address(ip: &str) -> Vec<(String, String)> {
+    static LIB: OnceLock<PathBuf> = OnceLock::new();
+    let lib = LIB.get_or_init(|| {
+        let src =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/bind-source/bind_source.c");
+        let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
+            .join(format!("bind-source-{}.so", std::process::id()));
+        let built = Command::new("cc")
+            .args(["-shared", "-fPIC", "-O2", "-o"])
+            .arg(&out)
+            .arg(&src)
+            .arg("-ldl")
+            .output()
+            .expect("run cc");
+        assert!(
+            built.status.success(),
+            "cc {}: {}",
+            src.display(),
+            String::from_utf8_lossy(&built.stderr)
+        );
+        out
+    });
+    vec![
+        ("LD_PRELOAD".into(), lib.display().to_string()),
+        ("BIND_SOURCE_IP".into(), ip.into()),
+    ]
+}
+
+/// Runs `rados ARGS` as the admin (bounded) from the source address `ip`
+/// ([`from_address`]); whether it succeeded, and its stderr.
+pub fn rados_from(ip: &str, args: &[&str]) -> (bool, String) {
+    let conf = TestCluster::get().conf().display().to_string();
+    let out = Command::new("timeout")
+        .args(["60", "rados", "-c", &conf, "--rados_osd_op_timeout", "15"])
+        .args(["--rados_mon_op_timeout", "15"])
+        .args(args)
+        .envs(from_address(ip))
+        .env_remove("CEPH_CONF")
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run rados");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// Makes [`OTHER_POOL`] (an initialised RBD pool) if it is not there.
 pub fn other_pool() {
     static DONE: OnceLock<()> = OnceLock::new();
@@ -367,4 +439,25 @@ impl Drop for PrivateCluster {
             .arg(&self.dir)
             .status();
     }
+}
+
+/// The `osd blocklist ls` entries (addresses), as the admin sees them.
+pub fn blocklist_addrs() -> Vec<String> {
+    let out = mon_json(serde_json::json!({
+        "prefix": "osd blocklist ls", "format": "json",
+    }))
+    .expect("osd blocklist ls");
+    // The first JSON value (the monitor may append more after it).
+    let v: serde_json::Value = serde_json::Deserializer::from_slice(&out)
+        .into_iter()
+        .next()
+        .and_then(Result::ok)
+        .unwrap_or_default();
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|e| e["addr"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
 }

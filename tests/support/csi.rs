@@ -83,6 +83,19 @@ impl CsiEnv {
         node_id: &str,
         extra_args: &[&str],
     ) -> CsiEnv {
+        CsiEnv::with_ns_env(rbd, cluster_id, mode, node_id, extra_args, Vec::new()).await
+    }
+
+    /// [`CsiEnv::with_ns`] with `env` added to the environment of the CSI
+    /// server and the mapper (such as [`super::ceph::from_address`]).
+    pub async fn with_ns_env(
+        rbd: Arc<TestNs>,
+        cluster_id: String,
+        mode: Mode,
+        node_id: &str,
+        extra_args: &[&str],
+        env: Vec<(String, String)>,
+    ) -> CsiEnv {
         let ceph = TestCluster::get();
         // Under /tmp, not the target dir: unix socket paths are short.
         let dir = tempfile::Builder::new()
@@ -100,7 +113,7 @@ impl CsiEnv {
         std::fs::write(&config_path, config.to_string()).expect("write config");
         let mapper_sock = dir.path().join("mapper.sock");
         let mapper = (mode == Mode::All).then(|| {
-            Daemon::rbdkit(
+            Daemon::rbdkit_with_env(
                 &format!("fuse-mapper {node_id}"),
                 vec![
                     "fuse-mapper".into(),
@@ -110,6 +123,7 @@ impl CsiEnv {
                     dir.path().join("mapper").display().to_string(),
                 ],
                 dir.path().join("mapper.log"),
+                env.clone(),
             )
         });
         let socket = dir.path().join("csi.sock");
@@ -140,10 +154,11 @@ impl CsiEnv {
             args.extend(["--default-mapper".into(), "rbdkit-fuse".into()]);
         }
         args.extend(extra_args.iter().map(|a| a.to_string()));
-        let csi = Daemon::rbdkit(
+        let csi = Daemon::rbdkit_with_env(
             &format!("rbdkit csi {node_id}"),
             args,
             dir.path().join("csi.log"),
+            env,
         );
         let env = CsiEnv {
             rbd,
@@ -219,6 +234,19 @@ impl CsiEnv {
             .await
             .unwrap_or_else(|e| panic!("NodeGetStorageHealth: {e}"))
             .into_inner()
+    }
+
+    /// NodeUnstageVolume of `id` at `staging`, as kubelet sends it (no
+    /// secrets); panics naming the node on failure.
+    pub async fn unstage(&self, id: &str, staging: &Path) {
+        self.node()
+            .await
+            .node_unstage_volume(rbdkit::csi::proto::NodeUnstageVolumeRequest {
+                volume_id: id.to_owned(),
+                staging_target_path: staging.display().to_string(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("NodeUnstageVolume on {}: {e}", self.node_id));
     }
 
     /// DeleteVolume of `id` with the controller's secrets.

@@ -74,6 +74,15 @@ pub fn direct_write(path: &std::path::Path, offset: u64, data: &[u8]) {
     f.sync_all().unwrap();
 }
 
+/// [`direct_write`] that returns the error of the write or the fsync.
+pub fn try_direct_write(path: &std::path::Path, offset: u64, data: &[u8]) -> std::io::Result<()> {
+    let mut buf = Aligned::new(data.len());
+    buf.copy_from_slice(data);
+    let f = open_direct(path, true);
+    std::os::unix::fs::FileExt::write_all_at(&f, &buf, offset)?;
+    f.sync_all()
+}
+
 /// Reads `len` bytes (a multiple of 512) at `offset` of a block device with
 /// `O_DIRECT`.
 pub fn direct_read(path: &std::path::Path, offset: u64, len: usize) -> Vec<u8> {

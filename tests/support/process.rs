@@ -10,6 +10,7 @@ pub struct Proc {
     child: Option<Child>,
     program: PathBuf,
     args: Vec<String>,
+    env: Vec<(String, String)>,
     /// What it is, for messages.
     pub what: String,
     /// stdout and stderr.
@@ -24,6 +25,7 @@ impl Proc {
             child: None,
             program: program.to_owned(),
             args,
+            env: Vec::new(),
             what: what.to_owned(),
             log,
         };
@@ -34,7 +36,28 @@ impl Proc {
     /// Starts `rbdkit args` (the binary under test).
     #[cfg(feature = "service")]
     pub fn rbdkit(what: &str, args: Vec<String>, log: PathBuf) -> Proc {
-        Proc::spawn(what, Path::new(env!("CARGO_BIN_EXE_rbdkit")), args, log)
+        Proc::rbdkit_with_env(what, args, log, Vec::new())
+    }
+
+    /// [`Proc::rbdkit`] with `env` added to its environment (and to that
+    /// of every restart).
+    #[cfg(feature = "service")]
+    pub fn rbdkit_with_env(
+        what: &str,
+        args: Vec<String>,
+        log: PathBuf,
+        env: Vec<(String, String)>,
+    ) -> Proc {
+        let mut p = Proc {
+            child: None,
+            program: Path::new(env!("CARGO_BIN_EXE_rbdkit")).to_owned(),
+            args,
+            env,
+            what: what.to_owned(),
+            log,
+        };
+        p.start();
+        p
     }
 
     fn start(&mut self) {
@@ -51,6 +74,7 @@ impl Proc {
         }
         let child = cmd
             .args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .env_remove("CEPH_CONF")
             .stdin(Stdio::null())
             .stdout(out.try_clone().expect("dup log"))

@@ -115,7 +115,7 @@ pub struct Env {
     /// The clusterID in the clusters config.
     pub cluster_id: String,
     /// The RBD namespace the clusterID maps to.
-    pub rbd: TestNs,
+    pub rbd: std::sync::Arc<TestNs>,
     /// The Secret with the provisioner's cephx credentials (a user with
     /// only `profile rbd` on the test pool).
     pub secret: String,
@@ -137,7 +137,7 @@ impl Env {
         let client = cp.client().await;
         let ceph = TestCluster::get();
         let id = super::ceph::unique(test);
-        let rbd = TestNs::new(test);
+        let rbd = std::sync::Arc::new(TestNs::new(test));
         let dir = tempfile::tempdir().expect("tempdir");
 
         let mons = ceph.conf_value("mon host").expect("mon host in ceph.conf");
