@@ -61,7 +61,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use tonic::{Request, Response, Status};
+use tonic::{Code, Request, Response, Status};
 
 use crate::csi::driver::{credentials, required, status_of, volume_id, Driver};
 use crate::csi::proto::{
@@ -920,6 +920,37 @@ impl Node for NodeService {
                         }
                         Err(e) => {
                             tracing::warn!(volume = %vol, mapper = m.name(), error = %e.message(), "map failed");
+                            // A map this side gave up on (a client timeout)
+                            // may still complete in the mapper: undone here,
+                            // so nothing stays mapped that no stash knows.
+                            // A refusal did nothing (and AlreadyExists names
+                            // a mapping that is not this stage's to undo).
+                            let refused = matches!(
+                                e.code(),
+                                Code::AlreadyExists
+                                    | Code::InvalidArgument
+                                    | Code::FailedPrecondition
+                                    | Code::NotFound
+                                    | Code::PermissionDenied
+                            );
+                            let (m3, id3) = (Arc::clone(&m), id.clone());
+                            let uo = stash.unmap_options.clone();
+                            let undo = async move {
+                                if refused {
+                                    return Ok(());
+                                }
+                                blocking(move || m3.unmap(&id3, &uo)).await
+                            };
+                            if let Err(u) = undo.await {
+                                return Err(Status::unavailable(format!(
+                                    "map of image {vol} with {} failed ({}), and undoing it \
+                                     failed too ({}); the stage keeps its lock and record: \
+                                     NodeStage again, or NodeUnstage, cleans it up",
+                                    m.name(),
+                                    e.message(),
+                                    u.message()
+                                )));
+                            }
                             last_err = Some(e);
                         }
                     }

@@ -778,6 +778,31 @@ fn key_fingerprint(key: &crate::rados::Secret) -> u64 {
         .hash_one(key.expose().as_bytes())
 }
 
+/// One lock per volume id, made on first use and dropped with its last
+/// user.
+#[derive(Default)]
+struct VolumeOps(Mutex<HashMap<String, Arc<Mutex<()>>>>);
+
+impl VolumeOps {
+    /// Runs `f` holding `vol`'s lock.
+    fn with<T>(&self, vol: &str, f: impl FnOnce() -> T) -> T {
+        let lock = {
+            let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            Arc::clone(m.entry(vol.to_owned()).or_default())
+        };
+        let out = {
+            let _held = lock.lock().unwrap_or_else(|e| e.into_inner());
+            f()
+        };
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        // Ours and the map's: nobody else waits for it.
+        if Arc::strong_count(&lock) == 2 {
+            m.remove(vol);
+        }
+        out
+    }
+}
+
 #[derive(Default)]
 struct Table {
     live: BTreeMap<String, Live>,
@@ -791,8 +816,9 @@ struct Daemon {
     mnt: PathBuf,
     fs: Arc<Fs>,
     table: Mutex<Table>,
-    /// Serialises attach, detach and refresh.
-    ops: Mutex<()>,
+    /// Serialises attach, detach and refresh of one volume; other volumes'
+    /// go on meanwhile (one slow cluster never holds up another's).
+    ops: VolumeOps,
     conns: Mutex<HashMap<ConnKey, Cluster>>,
     timeout: Duration,
     /// The supervisor that keeps fds and keys, if we run under one.
@@ -1189,66 +1215,76 @@ impl Daemon {
     /// Takes over every mapping in `todo` (waiting nodes), retrying each
     /// with backoff until `--reopen-timeout`; then its I/O fails with EIO.
     /// Requests that waited are served once the image is open.
+    /// Re-opens every mapping of the previous worker, all at once: one
+    /// whose cluster does not answer holds up no other.
     fn take_over_all(&self, todo: Vec<(Record, Vec<crate::rados::Secret>)>) {
         let started = Instant::now();
-        let mut todo: Vec<_> = todo.into_iter().map(|(r, k)| (r, k, 0u32)).collect();
-        let mut pause = Duration::from_millis(200);
-        while !todo.is_empty() {
-            let mut left = Vec::new();
-            for (rec, keys, tries) in todo {
-                let Some(node) = self.fs.node(rec.ino) else {
-                    continue; // detached meanwhile
-                };
-                let tries = tries + 1;
-                let took = self
-                    .take_over(&rec, &keys)
-                    .and_then(|(image, conn_key, addr)| {
-                        self.record_takeover(&rec, image, conn_key, addr)
-                    });
-                match took {
-                    Ok((image, size)) => {
-                        node.size.store(size, Ordering::SeqCst);
-                        let parked = node.set(Serving::Ready(Arc::new(image)));
-                        tracing::info!(volume = %rec.volume_id, device = ?rec.device, tries,
-                            waited = parked.len(), "took over a mapping of the previous worker");
-                        for (hdr, reply) in parked {
-                            fk::Handler::request(&*self.fs, &hdr, reply);
-                        }
-                    }
-                    Err(e) if started.elapsed() + pause < self.reopen_timeout => {
-                        tracing::warn!(volume = %rec.volume_id, tries, error = %e,
-                            "cannot re-open the image of a mapping yet; retrying");
-                        let mut s = node.serving.write().unwrap_or_else(|e| e.into_inner());
-                        if let Serving::Waiting(_, last) = &mut *s {
-                            *last = Some(e.to_string());
-                        }
-                        drop(s);
-                        left.push((rec, keys, tries));
-                    }
-                    Err(e) => {
-                        let why = format!(
-                            "cannot re-open {} after the worker restarted ({tries} attempts in \
-                             {:?}): {e}; its I/O fails (EIO): unstage and stage the volume again",
-                            rec.image_spec(),
-                            started.elapsed()
-                        );
-                        tracing::error!(volume = %rec.volume_id, "{why}");
-                        for (_, reply) in node.set(Serving::Failed(why)) {
-                            reply.error(libc::EIO);
-                        }
-                    }
-                }
+        std::thread::scope(|s| {
+            for (rec, keys) in todo {
+                s.spawn(move || self.take_over_retrying(rec, keys, started));
             }
-            todo = left;
-            if !todo.is_empty() {
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_secs(10));
+        });
+    }
+
+    /// Re-opens one mapping, retrying with a growing pause until
+    /// `--reopen-timeout` from `started`; its parked requests are served
+    /// once it is open, or failed (EIO) when it gives up.
+    fn take_over_retrying(&self, rec: Record, keys: Vec<crate::rados::Secret>, started: Instant) {
+        let mut pause = Duration::from_millis(200);
+        for tries in 1u32.. {
+            let Some(node) = self.fs.node(rec.ino) else {
+                return; // detached meanwhile
+            };
+            let took = self
+                .take_over(&rec, &keys)
+                .and_then(|(image, conn_key, addr)| {
+                    self.record_takeover(&rec, image, conn_key, addr)
+                });
+            match took {
+                Ok((image, size)) => {
+                    node.size.store(size, Ordering::SeqCst);
+                    let parked = node.set(Serving::Ready(Arc::new(image)));
+                    tracing::info!(volume = %rec.volume_id, device = ?rec.device, tries,
+                        waited = parked.len(), "took over a mapping of the previous worker");
+                    for (hdr, reply) in parked {
+                        fk::Handler::request(&*self.fs, &hdr, reply);
+                    }
+                    return;
+                }
+                Err(e) if started.elapsed() + pause < self.reopen_timeout => {
+                    tracing::warn!(volume = %rec.volume_id, tries, error = %e,
+                        "cannot re-open the image of a mapping yet; retrying");
+                    let mut s = node.serving.write().unwrap_or_else(|e| e.into_inner());
+                    if let Serving::Waiting(_, last) = &mut *s {
+                        *last = Some(e.to_string());
+                    }
+                    drop(s);
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_secs(10));
+                }
+                Err(e) => {
+                    let why = format!(
+                        "cannot re-open {} after the worker restarted ({tries} attempts in \
+                         {:?}): {e}; its I/O fails (EIO): unstage and stage the volume again",
+                        rec.image_spec(),
+                        started.elapsed()
+                    );
+                    tracing::error!(volume = %rec.volume_id, "{why}");
+                    for (_, reply) in node.set(Serving::Failed(why)) {
+                        reply.error(libc::EIO);
+                    }
+                    return;
+                }
             }
         }
     }
 
     fn attach(&self, spec: AttachSpec) -> Result<ControlResponse> {
-        let _ops = self.ops.lock().unwrap_or_else(|e| e.into_inner());
+        let vol = spec.volume_id.clone();
+        self.ops.with(&vol, || self.attach_locked(spec))
+    }
+
+    fn attach_locked(&self, spec: AttachSpec) -> Result<ControlResponse> {
         let vol = spec.volume_id.clone();
         if vol.is_empty() {
             return Err(Error::invalid("attach", "", "empty volume id"));
@@ -1442,7 +1478,16 @@ impl Daemon {
     }
 
     fn detach(&self, vol: &str, force: bool, release_of: Option<&str>) -> Result<ControlResponse> {
-        let _ops = self.ops.lock().unwrap_or_else(|e| e.into_inner());
+        self.ops
+            .with(vol, || self.detach_locked(vol, force, release_of))
+    }
+
+    fn detach_locked(
+        &self,
+        vol: &str,
+        force: bool,
+        release_of: Option<&str>,
+    ) -> Result<ControlResponse> {
         let (live, stale) = {
             let t = self.lock_table();
             (
@@ -1577,7 +1622,10 @@ impl Daemon {
     }
 
     fn refresh(&self, vol: &str) -> Result<ControlResponse> {
-        let _ops = self.ops.lock().unwrap_or_else(|e| e.into_inner());
+        self.ops.with(vol, || self.refresh_locked(vol))
+    }
+
+    fn refresh_locked(&self, vol: &str) -> Result<ControlResponse> {
         let (rec, node) = {
             let t = self.lock_table();
             match t.live.get(vol) {
@@ -2162,7 +2210,7 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
         mnt: mnt.clone(),
         fs: Arc::clone(&fs),
         table: Mutex::new(Table::default()),
-        ops: Mutex::new(()),
+        ops: VolumeOps::default(),
         conns: Mutex::new(HashMap::new()),
         timeout: args.timeout,
         store: daemon_store,

@@ -1829,3 +1829,91 @@ fn the_mapper_writes_no_core_dump_and_keeps_keys_out_of_dumpable_memory() {
     let cores = cores_in(tmp.path());
     assert!(cores.is_empty(), "core dumps written: {cores:?}");
 }
+
+/// An attach to a cluster that does not answer holds up no other volume's
+/// attach: the healthy one completes while the other still waits for its
+/// monitors. Before, one lock serialised every attach and detach of the
+/// mapper, so the healthy attach waited the whole connect timeout (20 s
+/// here) behind it.
+#[test]
+fn an_attach_to_an_unreachable_cluster_holds_up_no_other_volume() {
+    let ns = TestNs::new("fuse-ops");
+    let tmp = tempdir("ops");
+    let d = Daemon::start_with(tmp.path(), &["--timeout", "20s"]);
+    rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
+    // A monitor address where nothing listens: librados hunts for it
+    // until the connect timeout.
+    let mut dead = spec(&ns, "vol-dead", "img");
+    dead.monitors = vec!["127.0.0.1:9".into()];
+    let m = d.mapper();
+    let slow = std::thread::spawn(move || {
+        let t = Instant::now();
+        (m.map(&dead), t.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let t = Instant::now();
+    let dev = d.mapper().map(&spec(&ns, "vol-ok", "img")).unwrap();
+    let healthy = t.elapsed();
+    assert!(
+        !slow.is_finished(),
+        "the attach to the unreachable cluster had ended before the healthy one ({healthy:?}): \
+         it waited behind it, or the race did not happen"
+    );
+    write_direct(&dev, 0, &pattern(7, 4096));
+    let (r, waited) = slow.join().unwrap();
+    let e = r.expect_err("attached on a cluster with no monitor");
+    eprintln!("healthy attach {healthy:?}; unreachable one failed after {waited:?}: {e}");
+    d.mapper().unmap("vol-ok", &[]).unwrap();
+}
+
+/// After a worker restart, mappings are re-opened all at once: one whose
+/// cluster no longer answers holds up no other. Here the healthy volume is
+/// taken over (and serves a write and an fsync) before the first attempt
+/// on the unreachable one has even timed out. Before, the previous
+/// worker's mappings were re-opened one after another, in volume order,
+/// so the healthy one waited the whole connect timeout (20 s here) first.
+#[test]
+fn a_restarted_worker_reopens_a_healthy_volume_without_waiting_for_a_dead_cluster() {
+    let ns = TestNs::new("fuse-takeover");
+    let tmp = tempdir("takeover");
+    let d = Daemon::start_with(tmp.path(), &["--timeout", "20s"]);
+    rbd::create(&ns.ioctx, "img-b", 16 * MIB, &ImageOptions::new()).unwrap();
+    // A cluster of its own for the volume that is re-opened first (volume
+    // order), whose monitor is stopped before the worker dies.
+    let other = support::ceph::PrivateCluster::start("takeover");
+    let io = other.connect().ioctx(POOL).unwrap();
+    rbd::create(&io, "img-a", 16 * MIB, &ImageOptions::new()).unwrap();
+    let mut dead = spec(&ns, "vol-a-dead", "img-a");
+    dead.monitors = vec![other.conf_value("mon host").unwrap()];
+    dead.user = "admin".into();
+    dead.key = Secret::new(other.admin_key());
+    dead.namespace = String::new();
+    d.mapper().map(&dead).unwrap();
+    let dev = d.mapper().map(&spec(&ns, "vol-b-ok", "img-b")).unwrap();
+    drop(io);
+    other.stop_daemon("mon.a");
+
+    let old = d.worker_pid();
+    // SAFETY: kill(2) of the worker this test started, by pid.
+    unsafe { libc::kill(old as i32, libc::SIGKILL) };
+    let t = Instant::now();
+    write_direct(&dev, 0, &pattern(5, 4096));
+    let took = t.elapsed();
+    next_worker(&d, old);
+    let logs = d.all_logs();
+    let line_of = |words: &[&str]| {
+        logs.lines()
+            .position(|l| words.iter().all(|w| l.contains(w)))
+    };
+    let ok = line_of(&["took over a mapping", "vol-b-ok"]).expect("vol-b-ok taken over");
+    let dead_tried = line_of(&["cannot re-open", "vol-a-dead"]);
+    eprintln!("4 KiB write + fsync across the restart: {took:?}");
+    assert!(
+        dead_tried.is_none_or(|d| ok < d),
+        "vol-b-ok was taken over only after vol-a-dead's first attempt failed: {logs}"
+    );
+    let st = d.mapper().status("vol-a-dead").unwrap().unwrap();
+    assert!(!st.healthy, "re-opened through a shut proxy? {st:?}");
+    d.mapper().unmap("vol-b-ok", &[]).unwrap();
+    d.mapper().unmap("vol-a-dead", &["force".into()]).unwrap();
+}
