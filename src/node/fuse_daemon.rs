@@ -1820,9 +1820,9 @@ fn tune_device(dev: &Path, opts: &FuseMapOptions) -> Result<()> {
     }
     // Always written: a loop device keeps its queue settings across binds,
     // so a reused one would inherit the previous mapping's.
-    let n = opts
-        .queue_depth
-        .unwrap_or_else(crate::node::fuse::loop_hw_queue_depth);
+    let n = opts.queue_depth.unwrap_or_else(|| {
+        crate::node::fuse::VOLUME_QUEUE_DEPTH.min(crate::node::fuse::loop_hw_queue_depth())
+    });
     loopdev::set_queue_attr(dev, "nr_requests", &n.to_string())?;
     Ok(())
 }

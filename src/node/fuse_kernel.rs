@@ -31,6 +31,11 @@ const KERNEL_VERSION: u32 = 7;
 /// The minor version we speak; the kernel uses the lower of its and ours.
 const KERNEL_MINOR_VERSION: u32 = 40;
 
+/// `max_background` in `fuse_init_out`: the kernel's budget of background
+/// requests (asynchronous direct I/O, readahead) in flight on the
+/// connection, which every volume of the mapper shares.
+pub const MAX_BACKGROUND: u16 = 128;
+
 /// Largest WRITE payload we accept: 1 MiB.
 pub const MAX_WRITE: u32 = 1 << 20;
 /// `max_pages` in `fuse_init_out`: 1 MiB of 4 KiB pages.
@@ -406,8 +411,8 @@ fn answer_init(ch: &Arc<Channel>) -> Result<InitInfo> {
         minor,
         max_readahead: init_in.max_readahead,
         flags: init_in.flags & want,
-        max_background: 128,
-        congestion_threshold: 96,
+        max_background: MAX_BACKGROUND,
+        congestion_threshold: MAX_BACKGROUND / 4 * 3,
         max_write: MAX_WRITE,
         time_gran: 1,
         max_pages: MAX_PAGES,

@@ -954,12 +954,15 @@ fn map_options_set_up_the_device_and_librbd() {
         ],
         "{st:?}"
     );
-    // Without options: the kernel's queue depth, librbd's defaults, and
-    // 512-byte sectors as krbd's, still with direct I/O on the file.
+    // Without options: half of the connection's budget as the queue depth,
+    // librbd's defaults, and 512-byte sectors as krbd's, still with direct
+    // I/O on the file.
     let plain = d.mapper().map(&spec(&ns, "vol-plain", "plain")).unwrap();
     assert_eq!(
         queue_attr(&plain, "nr_requests"),
-        rbdkit::node::fuse::loop_hw_queue_depth().to_string()
+        rbdkit::node::fuse::VOLUME_QUEUE_DEPTH
+            .min(rbdkit::node::fuse::loop_hw_queue_depth())
+            .to_string()
     );
     assert_eq!(queue_attr(&plain, "logical_block_size"), "512");
     let st = d.mapper().status("vol-plain").unwrap().unwrap();
@@ -1866,6 +1869,25 @@ fn an_attach_to_an_unreachable_cluster_holds_up_no_other_volume() {
     d.mapper().unmap("vol-ok", &[]).unwrap();
 }
 
+/// A mapping of `image` in the default namespace of `cluster`'s pool, as
+/// its admin.
+fn private_spec(cluster: &support::ceph::PrivateCluster, volume_id: &str, image: &str) -> MapSpec {
+    MapSpec {
+        volume_id: volume_id.into(),
+        monitors: vec![cluster.conf_value("mon host").unwrap()],
+        user: "admin".into(),
+        key: Secret::new(cluster.admin_key()),
+        pool: POOL.into(),
+        namespace: String::new(),
+        image: image.into(),
+        cluster_fsid: None,
+        features: None,
+        snapshot: None,
+        read_only: false,
+        options: Vec::new(),
+    }
+}
+
 /// After a worker restart, mappings are re-opened all at once: one whose
 /// cluster no longer answers holds up no other. Here the healthy volume is
 /// taken over (and serves a write and an fsync) before the first attempt
@@ -1883,12 +1905,9 @@ fn a_restarted_worker_reopens_a_healthy_volume_without_waiting_for_a_dead_cluste
     let other = support::ceph::PrivateCluster::start("takeover");
     let io = other.connect().ioctx(POOL).unwrap();
     rbd::create(&io, "img-a", 16 * MIB, &ImageOptions::new()).unwrap();
-    let mut dead = spec(&ns, "vol-a-dead", "img-a");
-    dead.monitors = vec![other.conf_value("mon host").unwrap()];
-    dead.user = "admin".into();
-    dead.key = Secret::new(other.admin_key());
-    dead.namespace = String::new();
-    d.mapper().map(&dead).unwrap();
+    d.mapper()
+        .map(&private_spec(&other, "vol-a-dead", "img-a"))
+        .unwrap();
     let dev = d.mapper().map(&spec(&ns, "vol-b-ok", "img-b")).unwrap();
     drop(io);
     other.stop_daemon("mon.a");
@@ -1916,4 +1935,76 @@ fn a_restarted_worker_reopens_a_healthy_volume_without_waiting_for_a_dead_cluste
     assert!(!st.healthy, "re-opened through a shut proxy? {st:?}");
     d.mapper().unmap("vol-b-ok", &[]).unwrap();
     d.mapper().unmap("vol-a-dead", &["force".into()]).unwrap();
+}
+
+/// One volume whose pool stalls (its placement groups inactive) with 256
+/// direct writes in flight leaves another volume of the same mapper alone:
+/// a 4 KiB write and fsync there completes while every stalled write still
+/// waits.
+#[test]
+fn a_stalled_pool_holds_up_no_other_volume() {
+    let ns = TestNs::new("fuse-stall");
+    let tmp = tempdir("stall");
+    let d = Daemon::start_with(tmp.path(), &["--timeout", "60s"]);
+    rbd::create(&ns.ioctx, "ok", 16 * MIB, &ImageOptions::new()).unwrap();
+    let other = support::ceph::PrivateCluster::start("stall");
+    let admin = other.connect();
+    rbd::create(
+        &admin.ioctx(POOL).unwrap(),
+        "sick",
+        64 * MIB,
+        &ImageOptions::new(),
+    )
+    .unwrap();
+    let sick_dev = d
+        .mapper()
+        .map(&private_spec(&other, "vol-sick", "sick"))
+        .unwrap();
+    let ok_dev = d.mapper().map(&spec(&ns, "vol-ok", "ok")).unwrap();
+    let pool_set = |var: &str, val: &str| {
+        let cmd =
+            serde_json::json!({"prefix": "osd pool set", "pool": POOL, "var": var, "val": val});
+        admin.mon_command(&cmd.to_string(), &[]).unwrap();
+    };
+    // Two copies wanted, both needed, one OSD: the pool's PGs go inactive.
+    pool_set("size", "2");
+    pool_set("min_size", "2");
+    std::thread::sleep(Duration::from_secs(2));
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let writers: Vec<_> = (0..256u64)
+        .map(|i| {
+            let (dev, done) = (sick_dev.clone(), std::sync::Arc::clone(&done));
+            std::thread::spawn(move || {
+                let f = open_direct(&dev, true);
+                let mut a = Aligned::new(4096);
+                a.get().copy_from_slice(&pattern(i, 4096));
+                let r = f.write_all_at(a.get(), i * 65536);
+                done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                r
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(
+        done.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the pool did not stall"
+    );
+    let t = Instant::now();
+    write_direct(&ok_dev, 0, &pattern(9, 4096));
+    let took = t.elapsed();
+    let stalled_done = done.load(std::sync::atomic::Ordering::SeqCst);
+    eprintln!("4 KiB write + fsync to the healthy volume: {took:?}; stalled writes done by then: {stalled_done}");
+    pool_set("min_size", "1");
+    for w in writers {
+        w.join()
+            .unwrap()
+            .expect("a write to the stalled pool once it is active again");
+    }
+    assert_eq!(
+        stalled_done, 0,
+        "the healthy volume's write waited for the stalled pool ({took:?})"
+    );
+    d.mapper().unmap("vol-ok", &[]).unwrap();
+    d.mapper().unmap("vol-sick", &[]).unwrap();
 }
