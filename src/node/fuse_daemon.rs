@@ -778,6 +778,10 @@ fn key_fingerprint(key: &crate::rados::Secret) -> u64 {
         .hash_one(key.expose().as_bytes())
 }
 
+/// A detached image still held by requests in flight, with its record and
+/// connection.
+type Closing = (std::sync::Weak<Image>, Record, Option<ConnKey>);
+
 /// One lock per volume id, made on first use and dropped with its last
 /// user.
 #[derive(Default)]
@@ -828,6 +832,10 @@ struct Daemon {
     dead_clients: Mutex<Vec<(String, String)>>,
     /// Dead clients fenced already (blocklisted, OSD map caught up).
     fenced: Mutex<std::collections::HashSet<String>>,
+    /// Detached volumes whose image requests in flight still held when the
+    /// detach gave up waiting: the image, and what the detach has left to
+    /// do once it is closed.
+    closing: Mutex<HashMap<String, Closing>>,
     /// `--reopen-timeout`.
     reopen_timeout: Duration,
 }
@@ -1404,7 +1412,7 @@ impl Daemon {
                     .write()
                     .unwrap_or_else(|e| e.into_inner())
                     .remove(&ino);
-                close_node(node);
+                close_node(node, DRAIN_TIMEOUT);
                 self.drop_conn_if_unused(&conn_key);
                 return Err(e);
             }
@@ -1488,6 +1496,9 @@ impl Daemon {
         force: bool,
         release_of: Option<&str>,
     ) -> Result<ControlResponse> {
+        if let Some(r) = self.finish_closing(vol, release_of) {
+            return r;
+        }
         let (live, stale) = {
             let t = self.lock_table();
             (
@@ -1544,13 +1555,20 @@ impl Daemon {
                 self.save(&t)?;
                 l
             };
+            drop(node);
             if let Some(l) = l {
                 self.fs
                     .nodes
                     .write()
                     .unwrap_or_else(|e| e.into_inner())
                     .remove(&l.node.ino);
-                close_node(l.node);
+                if let Some(held) = close_node(l.node, self.drain_timeout()) {
+                    // The lock stays until the image is closed: a write
+                    // still in flight could land after another node's.
+                    self.lock_closing()
+                        .insert(vol.to_owned(), (held, rec.clone(), conn_key.clone()));
+                    return Err(self.still_closing(vol));
+                }
             }
             if let Some(node_id) = release_of {
                 released = self.release_stage_lock(&rec, conn_key.as_ref(), node_id);
@@ -1586,6 +1604,64 @@ impl Daemon {
             lock_released: release_of.map(|_| released),
             ..Default::default()
         })
+    }
+
+    /// How long a detach waits for the requests in flight on an image to
+    /// end: each is bounded by the op timeout.
+    fn drain_timeout(&self) -> Duration {
+        DRAIN_TIMEOUT.max(self.timeout + Duration::from_secs(5))
+    }
+
+    fn lock_closing(&self) -> std::sync::MutexGuard<'_, HashMap<String, Closing>> {
+        self.closing.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn still_closing(&self, vol: &str) -> Error {
+        Error::with_kind(
+            ErrorKind::Busy,
+            libc::EBUSY,
+            "detach",
+            vol.to_owned(),
+            format!(
+                "its device is cleared, but requests in flight still hold the image after {} s; \
+                 it is closed (and its staging lock released) by a detach once they end",
+                self.drain_timeout().as_secs()
+            ),
+        )
+    }
+
+    /// A detach of a volume whose image an earlier detach left to requests
+    /// in flight: `Busy` while they hold it; once it is closed, the rest of
+    /// that detach (the lock, the connection, the key). `None` for any
+    /// other volume.
+    fn finish_closing(
+        &self,
+        vol: &str,
+        release_of: Option<&str>,
+    ) -> Option<Result<ControlResponse>> {
+        let mut closing = self.lock_closing();
+        let (held, _, _) = closing.get(vol)?;
+        if held.strong_count() > 0 {
+            return Some(Err(self.still_closing(vol)));
+        }
+        let (_, rec, conn_key) = closing.remove(vol)?;
+        drop(closing);
+        let released =
+            release_of.is_some_and(|n| self.release_stage_lock(&rec, conn_key.as_ref(), n));
+        if let Some(k) = conn_key {
+            self.drop_conn_if_unused(&k);
+        }
+        if let Some(store) = &self.store {
+            if let Err(e) = store.drop_key(vol) {
+                return Some(Err(e));
+            }
+        }
+        tracing::info!(volume = %vol, "detached, once its last requests ended");
+        Some(Ok(ControlResponse {
+            ok: true,
+            lock_released: release_of.map(|_| released),
+            ..Default::default()
+        }))
     }
 
     /// Releases `node_id`'s staging lock of `rec`'s image through the
@@ -1851,15 +1927,28 @@ fn wait_unbound(dev: &Path, file: &Path) -> Result<()> {
 
 /// Flushes and closes the image once the requests still in flight let go
 /// of it (bounded); past the bound the last of them closes it.
-fn close_node(node: Arc<Node>) {
-    let Ok(node) = Arc::try_unwrap(node) else {
-        return;
+/// Flushes and closes the image of `node` once no request holds it (no
+/// new one can reach it: it is out of the filesystem's table), waiting up
+/// to `drain`. `None` once closed (or nothing was open); otherwise the
+/// image, still held by requests in flight, which close it when the last
+/// of them lets go.
+fn close_node(node: Arc<Node>, drain: Duration) -> Option<std::sync::Weak<Image>> {
+    let deadline = Instant::now() + drain;
+    let mut node = node;
+    let node = loop {
+        match Arc::try_unwrap(node) {
+            Ok(n) => break n,
+            Err(shared) if Instant::now() < deadline => {
+                node = shared;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(shared) => return shared.open_image().map(|i| Arc::downgrade(&i)),
+        }
     };
     let Serving::Ready(mut image) = node.serving.into_inner().unwrap_or_else(|e| e.into_inner())
     else {
-        return;
+        return None;
     };
-    let deadline = Instant::now() + DRAIN_TIMEOUT;
     loop {
         match Arc::try_unwrap(image) {
             Ok(img) => {
@@ -1867,13 +1956,13 @@ fn close_node(node: Arc<Node>) {
                 if let Err(e) = img.flush().and_then(|()| img.close()) {
                     tracing::warn!(image = %spec, error = %e, "closing the image failed");
                 }
-                return;
+                return None;
             }
             Err(shared) if Instant::now() < deadline => {
                 image = shared;
                 std::thread::sleep(Duration::from_millis(10));
             }
-            Err(_) => return,
+            Err(shared) => return Some(Arc::downgrade(&shared)),
         }
     }
 }
@@ -2220,6 +2309,7 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
             Vec::new()
         }),
         fenced: Mutex::new(Default::default()),
+        closing: Mutex::new(HashMap::new()),
         reopen_timeout: args.reopen_timeout,
     });
     // Every mapping the dead worker served is served again under the same
@@ -2352,7 +2442,7 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
                 .clear();
             tokio::task::block_in_place(|| {
                 for l in lives {
-                    close_node(l.node);
+                    close_node(l.node, DRAIN_TIMEOUT);
                 }
             });
             if let Some(s) = &daemon.store {
