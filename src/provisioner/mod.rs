@@ -15,6 +15,7 @@
 //! - [`snapshots`]: the VolumeSnapshotContent reconciler.
 //! - [`out_of_service`]: Nodes with the out-of-service taint fenced, their
 //!   staging locks broken, and the fence lifted when the taint goes.
+//! - [`network_fence`]: csi-addons NetworkFences (CIDR blocks fenced).
 //!
 //! Parameters, the volume handle, the clusters config and the Ceph
 //! operations themselves are in [`crate::volume`], shared with the CSI
@@ -23,6 +24,7 @@
 pub mod controller;
 pub mod maintenance;
 pub mod metrics;
+pub mod network_fence;
 pub mod out_of_service;
 pub mod pv;
 pub mod secrets;
@@ -491,6 +493,7 @@ async fn run_controllers(
         shutdown.clone(),
     );
     let nodes = out_of_service::run(Arc::clone(&ctx), config.clone(), shutdown.clone());
+    let fences = network_fence::run(Arc::clone(&ctx), config.clone(), shutdown.clone());
     let strip = Arc::clone(&ctx);
     let pv_controller = Controller::for_stream(
         watch_all(pvs)
@@ -541,7 +544,7 @@ async fn run_controllers(
     );
     // `synced` never ends: it is dropped with the controllers.
     tokio::select! {
-        _ = async { futures::join!(claims, volumes, snapshots, classes, nodes) } => {}
+        _ = async { futures::join!(claims, volumes, snapshots, classes, nodes, fences) } => {}
         _ = synced => {}
         _ = maintenance => {}
     }

@@ -6,12 +6,14 @@
 //! image always closes before its ioctx, and an ioctx before its cluster, and
 //! all three are `'static` values that can move into threads and async tasks.
 
+mod blocklist;
 mod cluster;
 mod ioctx;
 mod lock;
 mod omap;
 mod secret;
 
+pub use blocklist::Cidr;
 pub use cluster::{
     Cluster, ClusterStats, ConnectOptions, MonCommandReply, DEFAULT_CONNECT_TIMEOUT,
     DEFAULT_OP_TIMEOUT,

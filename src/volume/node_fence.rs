@@ -16,11 +16,22 @@
 //! it would cut the cluster off from itself, or leave nobody to lift the
 //! fence. Such a node (a hyperconverged one, with an OSD on it) must be
 //! fenced by hand; the error says so.
+//!
+//! A network is fenced by CIDR block (csi-addons' NetworkFence): `osd
+//! blocklist range add` per block ([`fence_ranges`]), after the same
+//! check, and a refusal of blocks wider than [`MIN_PREFIX_V4`] /
+//! [`MIN_PREFIX_V6`] (no node pool needs more in one entry, and `0.0.0.0/0`
+//! would fence the world).
 
 use std::net::IpAddr;
 
-use crate::rados::Cluster;
+use crate::rados::{Cidr, Cluster};
 use crate::volume::ops::VolumeError;
+
+/// The shortest IPv4 prefix fenced in one entry (a /16).
+pub const MIN_PREFIX_V4: u8 = 16;
+/// The shortest IPv6 prefix fenced in one entry.
+pub const MIN_PREFIX_V6: u8 = 48;
 
 /// How long a node's fence lasts unless lifted: five years.
 pub const FENCE_EXPIRY_SECS: u32 = 5 * 365 * 24 * 3600;
@@ -174,6 +185,89 @@ pub fn unfence(cluster: &Cluster, ips: &[IpAddr]) -> Result<(), VolumeError> {
         cluster
             .blocklist_rm(&ip_entry(*ip))
             .map_err(VolumeError::Ceph)?;
+    }
+    Ok(())
+}
+
+/// Parses the CIDR blocks of a request (sorted, no duplicates); the error
+/// names each bad one.
+pub fn parse_cidrs(cidrs: &[String]) -> Result<Vec<Cidr>, VolumeError> {
+    if cidrs.is_empty() {
+        return Err(VolumeError::Refused {
+            why: "no CIDR block to fence is given".into(),
+        });
+    }
+    let (ok, bad): (Vec<_>, Vec<_>) = cidrs
+        .iter()
+        .map(|c| Cidr::parse(c))
+        .partition(|r| r.is_ok());
+    if !bad.is_empty() {
+        let why: Vec<String> = bad
+            .into_iter()
+            .filter_map(|r| r.err())
+            .map(|e| e.to_string())
+            .collect();
+        return Err(VolumeError::Refused {
+            why: why.join("; "),
+        });
+    }
+    let mut out: Vec<Cidr> = ok.into_iter().filter_map(Result::ok).collect();
+    out.sort();
+    out.dedup();
+    Ok(out)
+}
+
+/// Refuses, naming each, a block wider than the minimum prefix or holding
+/// an address of `protected` ([`protected_addresses`]).
+pub fn check_cidrs(cidrs: &[Cidr], protected: &[(String, IpAddr)]) -> Result<(), VolumeError> {
+    let mut why = Vec::new();
+    for c in cidrs {
+        let min = match c.ip() {
+            IpAddr::V4(_) => MIN_PREFIX_V4,
+            IpAddr::V6(_) => MIN_PREFIX_V6,
+        };
+        if c.prefix_len() < min {
+            why.push(format!(
+                "{c} is wider than /{min} (split it into blocks of /{min} or narrower)"
+            ));
+            continue;
+        }
+        let hits: Vec<String> = protected
+            .iter()
+            .filter(|(_, ip)| c.contains(*ip))
+            .map(|(who, ip)| format!("{who}'s {ip}"))
+            .collect();
+        if !hits.is_empty() {
+            why.push(format!(
+                "{c} holds {}: fencing it would cut the cluster off from itself",
+                hits.join(", ")
+            ));
+        }
+    }
+    if why.is_empty() {
+        Ok(())
+    } else {
+        Err(VolumeError::Refused {
+            why: format!("not fenced: {}", why.join("; ")),
+        })
+    }
+}
+
+/// Fences every client in each of `cidrs` for [`FENCE_EXPIRY_SECS`], then
+/// waits for the OSD map that lists them.
+pub fn fence_ranges(cluster: &Cluster, cidrs: &[Cidr]) -> Result<(), VolumeError> {
+    for c in cidrs {
+        cluster
+            .blocklist_range_add(c, FENCE_EXPIRY_SECS)
+            .map_err(VolumeError::Ceph)?;
+    }
+    cluster.wait_for_latest_osdmap().map_err(VolumeError::Ceph)
+}
+
+/// Lifts the fence of each of `cidrs` (a block not fenced is fine).
+pub fn unfence_ranges(cluster: &Cluster, cidrs: &[Cidr]) -> Result<(), VolumeError> {
+    for c in cidrs {
+        cluster.blocklist_range_rm(c).map_err(VolumeError::Ceph)?;
     }
     Ok(())
 }

@@ -40,6 +40,7 @@ mod provisioner_e2e;
 mod provisioner_fence;
 mod provisioner_foreign;
 mod provisioner_legacy;
+mod provisioner_network_fence;
 mod provisioner_out_of_service;
 mod provisioner_snapshots;
 mod volume_snapshots;

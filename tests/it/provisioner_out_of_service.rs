@@ -12,7 +12,7 @@ use crate::support;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Node, Secret as K8sSecret};
+use k8s_openapi::api::core::v1::Node;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Api, ResourceExt};
 use serde_json::json;
@@ -93,17 +93,7 @@ fn writes_from(ip: &str, ns: &str) -> (bool, String) {
 async fn an_out_of_service_node_is_fenced_and_its_rwo_volume_staged_elsewhere() {
     let mut env = Env::new("oos").await;
     // The class's provisioner user may lift fences too.
-    Api::<K8sSecret>::namespaced(env.client.clone(), &env.ns)
-        .create(
-            &PostParams::default(),
-            &from_json(json!({
-                "metadata": {"name": "ceph-fencer"},
-                "stringData": {"userID": support::ceph::FENCER_USER, "userKey": support::ceph::fencer_key()},
-            })),
-        )
-        .await
-        .expect("create the fencer's secret");
-    env.secret = "ceph-fencer".into();
+    env.secret = env.fencer_secret().await;
     let class = env.storage_class("oos", json!({}), json!({})).await;
     let provisioner = env.start_in_process();
     env.claim("data", &class, "16Mi", &["ReadWriteOnce"], "Block")

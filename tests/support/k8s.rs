@@ -219,3 +219,45 @@ impl Drop for ControlPlane {
         }
     }
 }
+
+/// Applies the CRDs in `files` (YAML; server-side apply, so it is
+/// idempotent) and waits until each is Established.
+pub async fn apply_crds(client: &kube::Client, files: &[String]) {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    use kube::api::{Api, Patch, PatchParams};
+    use std::time::{Duration, Instant};
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let pp = PatchParams::apply("rbdkit-tests").force();
+    for file in files {
+        let text = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("read {file}: {e}"));
+        let value: serde_json::Value =
+            serde_saphyr::from_str(&text).unwrap_or_else(|e| panic!("parse {file}: {e}"));
+        let crd: CustomResourceDefinition =
+            serde_json::from_value(value).unwrap_or_else(|e| panic!("{file}: not a CRD: {e}"));
+        let name = crd.metadata.name.clone().expect("CRD name");
+        api.patch(&name, &pp, &Patch::Apply(&crd))
+            .await
+            .unwrap_or_else(|e| panic!("apply CRD {name}: {e}"));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let c = api.get(&name).await.expect("get CRD");
+            let established = c
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|cs| {
+                    cs.iter()
+                        .any(|c| c.type_ == "Established" && c.status == "True")
+                });
+            if established {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "CRD {name} not Established after 60 s: {:?}",
+                c.status
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}

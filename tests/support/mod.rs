@@ -7,6 +7,8 @@ pub mod artifacts;
 pub mod ceph;
 #[cfg(feature = "service")]
 pub mod csi;
+#[cfg(feature = "service")]
+pub mod csi_addons;
 pub mod data;
 #[cfg(feature = "service")]
 pub mod k8s;

@@ -192,6 +192,26 @@ impl Env {
         }
     }
 
+    /// Makes the Secret of a provisioner user that may also lift fences
+    /// ([`super::ceph::FENCER_USER`]) in the test namespace; its name.
+    pub async fn fencer_secret(&self) -> String {
+        let name = "ceph-fencer".to_owned();
+        Api::<K8sSecret>::namespaced(self.client.clone(), &self.ns)
+            .create(
+                &PostParams::default(),
+                &from_json(json!({
+                    "metadata": {"name": name},
+                    "stringData": {
+                        "userID": super::ceph::FENCER_USER,
+                        "userKey": super::ceph::fencer_key(),
+                    },
+                })),
+            )
+            .await
+            .expect("create the fencer's secret");
+        name
+    }
+
     /// A copy of the admin kubeconfig that impersonates `user` (such as
     /// `system:serviceaccount:NS:NAME`), to run as that user's RBAC allows.
     pub fn kubeconfig_as(&self, user: &str) -> PathBuf {

@@ -22,9 +22,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::events::v1::Event;
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use kube::api::PostParams;
 use kube::api::{ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams};
-use kube::api::{Patch, PatchParams, PostParams};
 use kube::Api;
 use serde_json::json;
 use tokio::sync::OnceCell;
@@ -95,40 +94,7 @@ pub async fn install_crds(client: &kube::Client) {
         .await
         .expect("crds");
     assert_eq!(files.len(), 3, "expected three CRD files, got {files:?}");
-    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let pp = PatchParams::apply("rbdkit-tests").force();
-    for file in &files {
-        let text = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("read {file}: {e}"));
-        let value: serde_json::Value =
-            serde_saphyr::from_str(&text).unwrap_or_else(|e| panic!("parse {file}: {e}"));
-        let crd: CustomResourceDefinition =
-            serde_json::from_value(value).unwrap_or_else(|e| panic!("{file}: not a CRD: {e}"));
-        let name = crd.metadata.name.clone().expect("CRD name");
-        api.patch(&name, &pp, &Patch::Apply(&crd))
-            .await
-            .unwrap_or_else(|e| panic!("apply CRD {name}: {e}"));
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let c = api.get(&name).await.expect("get CRD");
-            let established = c
-                .status
-                .as_ref()
-                .and_then(|s| s.conditions.as_ref())
-                .is_some_and(|cs| {
-                    cs.iter()
-                        .any(|c| c.type_ == "Established" && c.status == "True")
-                });
-            if established {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "CRD {name} not Established after 60 s: {:?}",
-                c.status
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
+    super::k8s::apply_crds(client, &files).await;
 }
 
 /// A snapshot-controller process, killed on drop.
