@@ -40,6 +40,9 @@ pub struct Driver {
     // credentials an earlier call brought for the same cluster. In memory
     // only.
     known: Mutex<HashMap<String, Credentials>>,
+    // The same per (cluster, user): what must run as the user that staged
+    // a volume (releasing its staging lock) waits for that user's.
+    known_users: Mutex<HashMap<(String, String), Credentials>>,
     pools_seen: Mutex<HashSet<(String, String, String)>>,
 }
 
@@ -91,6 +94,7 @@ impl Driver {
             observer,
             inflight: Mutex::new(HashSet::new()),
             known: Mutex::new(HashMap::new()),
+            known_users: Mutex::new(HashMap::new()),
             pools_seen: Mutex::new(HashSet::new()),
         }
     }
@@ -126,7 +130,6 @@ impl Driver {
         cluster_id: &str,
         secrets: &HashMap<String, String>,
     ) -> Result<Conn, Status> {
-        let info = self.cluster(cluster_id)?;
         let creds = match credentials(secrets)? {
             Some(c) => c,
             None => self
@@ -141,6 +144,27 @@ impl Driver {
                     ))
                 })?,
         };
+        self.connect_with(cluster_id, creds).await
+    }
+
+    /// A connection to `cluster_id` as `user`, with the credentials an
+    /// earlier call brought for that user; `None` when none has since this
+    /// server started.
+    pub async fn connect_as(&self, cluster_id: &str, user: &str) -> Result<Option<Conn>, Status> {
+        let creds = self
+            .known_users
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(cluster_id.to_owned(), user.to_owned()))
+            .cloned();
+        match creds {
+            Some(c) => self.connect_with(cluster_id, c).await.map(Some),
+            None => Ok(None),
+        }
+    }
+
+    async fn connect_with(&self, cluster_id: &str, creds: Credentials) -> Result<Conn, Status> {
+        let info = self.cluster(cluster_id)?;
         let conn = self.conns.get(&info, &creds).await.map_err(|e| {
             Status::new(
                 status_of(&e).code(),
@@ -150,6 +174,10 @@ impl Driver {
                 ),
             )
         })?;
+        self.known_users
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((cluster_id.to_owned(), creds.user.clone()), creds.clone());
         self.known
             .lock()
             .unwrap_or_else(|e| e.into_inner())

@@ -33,9 +33,11 @@
 //! refused naming the holder until that node unstages, or, if it is dead,
 //! until its Node gets the `node.kubernetes.io/out-of-service` taint and
 //! the provisioner has fenced it and broken its locks. NodeUnstageVolume carries no secrets: it
-//! releases with the credentials an earlier call brought; after a restart
-//! of this server with none yet, the release waits (in the state dir) for
-//! the next call that brings credentials for that cluster.
+//! releases as the Ceph user that staged the volume (kept in its stash),
+//! with the credentials an earlier call brought for that user; after a
+//! restart of this server with none yet, the release waits (in the state
+//! dir) for the next call that brings that user's credentials for the
+//! cluster (the userspace mapper releases it itself, at once).
 //!
 //! **Checked before anything is done**: the filesystem type and
 //! `mkfsOptions` ([`fs::check_mkfs_options`]: an allow-list per mkfs, so no
@@ -124,6 +126,10 @@ pub struct Stash {
     /// one name apart only by it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cluster_fsid: Option<String>,
+    /// The Ceph user that staged it (never its key): the staging lock is
+    /// released as that user.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
 }
 
 impl Stash {
@@ -345,9 +351,19 @@ impl NodeService {
         f: impl FnOnce(&ImageLock) -> crate::Result<T> + Send + 'static,
     ) -> Result<T, Status> {
         let conn = self.driver.connect(&vol.cluster_id, secrets).await?;
+        self.lock_on(&conn, vol, f).await
+    }
+
+    /// [`NodeService::with_lock`] on a connection at hand.
+    async fn lock_on<T: Send + 'static>(
+        &self,
+        conn: &crate::volume::clusters::Conn,
+        vol: &VolumeId,
+        f: impl FnOnce(&ImageLock) -> crate::Result<T> + Send + 'static,
+    ) -> Result<T, Status> {
         let v = vol.clone();
         self.driver
-            .ceph(&conn, move |c, _m| {
+            .ceph(conn, move |c, _m| {
                 let lock = ImageLock::open(c, &v.pool, &v.rados_namespace, &v.image)?;
                 Ok(f(&lock)?)
             })
@@ -406,28 +422,37 @@ impl NodeService {
         self.state_dir.join("release")
     }
 
-    /// Releases this node's staging lock of `id`, with the credentials
-    /// known from earlier calls. With none (this server restarted since),
-    /// the release is recorded and done by the next call that brings
-    /// credentials for the cluster ([`NodeService::release_pending`]).
-    async fn release_lock(&self, id: &str) -> Result<(), Status> {
+    /// Releases this node's staging lock of `id` as `user`, the Ceph user
+    /// that staged it (any user known for the cluster, for a stash of an
+    /// older version that names none), with the credentials known from
+    /// earlier calls. With none (this server restarted since), the release
+    /// is recorded and done by the next call that brings that user's
+    /// credentials for the cluster.
+    async fn release_lock(&self, id: &str, user: Option<&str>) -> Result<(), Status> {
         let vol = volume_id(id)?;
-        if !self.driver.clusters_known().contains(&vol.cluster_id) {
+        let conn = match user {
+            Some(u) => self.driver.connect_as(&vol.cluster_id, u).await?,
+            None if self.driver.clusters_known().contains(&vol.cluster_id) => Some(
+                self.driver
+                    .connect(&vol.cluster_id, &HashMap::new())
+                    .await?,
+            ),
+            None => None,
+        };
+        let Some(conn) = conn else {
             let p = self
                 .pending_dir()
                 .join(self.index_path(id).file_name().unwrap_or_default());
+            let record = format!("{id}\n{}", user.unwrap_or_default());
             std::fs::create_dir_all(self.pending_dir())
-                .and_then(|()| write_atomic(&p, id.as_bytes()))
+                .and_then(|()| write_atomic(&p, record.as_bytes()))
                 .map_err(|e| io_status("write", &p, e))?;
-            tracing::warn!(volume = %vol,
-                "no credentials for the cluster since this server started: the staging lock is released at the next call that brings them");
+            tracing::warn!(volume = %vol, user = ?user,
+                "no credentials of the user that staged it since this server started: the staging lock is released at the next call that brings them");
             return Ok(());
-        }
+        };
         let node = self.driver.node_id.clone();
-        match self
-            .with_lock(&vol, &HashMap::new(), move |l| l.release(&node))
-            .await
-        {
+        match self.lock_on(&conn, &vol, move |l| l.release(&node)).await {
             // The image is gone, and its lock with its header.
             Err(s) if s.code() == tonic::Code::NotFound => Ok(()),
             other => other,
@@ -435,8 +460,9 @@ impl NodeService {
     }
 
     /// Does the releases [`NodeService::release_lock`] had to defer, for
-    /// the cluster `secrets` are for (best effort: a failure is retried
-    /// next time). `staging_now` is left alone: its stage takes the lock.
+    /// the cluster and user `secrets` are for (best effort: a failure is
+    /// retried next time). `staging_now` is left alone: its stage takes
+    /// the lock.
     async fn release_pending(
         &self,
         cluster_id: &str,
@@ -446,15 +472,20 @@ impl NodeService {
         let Ok(entries) = std::fs::read_dir(self.pending_dir()) else {
             return;
         };
+        let Ok(Some(creds)) = credentials(secrets) else {
+            return;
+        };
         for e in entries.flatten() {
-            let Ok(id) = std::fs::read_to_string(e.path()) else {
+            let Ok(text) = std::fs::read_to_string(e.path()) else {
                 continue;
             };
-            let Ok(vol) = VolumeId::parse(&id) else {
+            let (id, user) = text.split_once('\n').unwrap_or((text.as_str(), ""));
+            let Ok(vol) = VolumeId::parse(id) else {
                 let _ = std::fs::remove_file(e.path());
                 continue;
             };
-            if vol.cluster_id != cluster_id {
+            // Another user's release waits for that user's credentials.
+            if vol.cluster_id != cluster_id || (!user.is_empty() && user != creds.user) {
                 continue;
             }
             let done = if id == staging_now {
@@ -826,21 +857,24 @@ impl Node for NodeService {
             mount_flags: Some(flags.clone()),
             lock: lock_mode,
             cluster_fsid: Some(fsid.clone()),
+            user: Some(creds.user.clone()),
         };
         if let Some(old) = &old_stash {
             stash.mapper = old.mapper.clone();
             stash.unmap_options = old.unmap_options.clone();
             stash.device = old.device.clone();
             stash.lock = old.lock.or(lock_mode);
+            stash.user = old.user.clone().or(stash.user);
         }
         stash.write(&staging)?;
         let mapped_here = already_mapped.is_some();
         // Undoes this call's stash and lock when nothing is mapped here.
         let (id_r, staging_r, vol_r) = (&id, &staging, &vol);
+        let user_r = stash.user.clone();
         let abandon = move |why: Status| async move {
             if !mapped_here {
                 if lock_mode.is_some() {
-                    if let Err(e) = self.release_lock(id_r).await {
+                    if let Err(e) = self.release_lock(id_r, user_r.as_deref()).await {
                         tracing::warn!(volume = %vol_r, error = %e.message(), "cannot release the staging lock");
                     }
                 }
@@ -1095,7 +1129,8 @@ impl Node for NodeService {
         // Unmapped: now another node may have it. A failure leaves the
         // stash, so kubelet's retry releases it.
         if locked && !released {
-            self.release_lock(&id).await?;
+            let user = stash.as_ref().and_then(|s| s.user.clone());
+            self.release_lock(&id, user.as_deref()).await?;
         }
         Stash::remove(&staging)?;
         self.forget(&id);

@@ -16,6 +16,8 @@ use std::time::Duration;
 use rbdkit::csi::proto::{
     NodePublishVolumeRequest, NodeUnpublishVolumeRequest, NodeUnstageVolumeRequest, ProbeRequest,
 };
+use rbdkit::node::stage_lock::ImageLock;
+use support::ceph::POOL;
 use support::csi::{block_cap, CsiEnv, Mode};
 
 const MIB: i64 = 1 << 20;
@@ -99,8 +101,18 @@ impl Drop for Loop {
     }
 }
 
-#[tokio::test(flavor = "multi_thread")]
-async fn krbd_maps_and_unmaps_through_sysfs_strings() {
+/// A node whose default mapper is krbd over a fake sysfs tree, with the
+/// "kernel" handing out a loop device over `backing`.
+struct KrbdNode {
+    env: CsiEnv,
+    kernel: FakeKernel,
+    loop_dev: Loop,
+    backing: std::path::PathBuf,
+    dev: std::path::PathBuf,
+    _fake: tempfile::TempDir,
+}
+
+async fn krbd_node(test: &str) -> KrbdNode {
     let fake = tempfile::tempdir().unwrap();
     let sys = fake.path().join("sys");
     let dev = fake.path().join("dev");
@@ -129,11 +141,10 @@ async fn krbd_maps_and_unmaps_through_sysfs_strings() {
     );
     let loop_dev = Loop(String::from_utf8(out.stdout).unwrap().trim().to_owned());
     let kernel = FakeKernel::start(&sys, &dev, loop_dev.0.clone());
-
-    let rbd = Arc::new(support::ceph::TestNs::new("csi-krbd"));
-    let cluster_id = support::ceph::unique("csi-krbd");
+    let rbd = Arc::new(support::ceph::TestNs::new(test));
+    let cluster_id = support::ceph::unique(test);
     let (s, d) = (sys.display().to_string(), dev.display().to_string());
-    let mut env = CsiEnv::with_ns(
+    let env = CsiEnv::with_ns(
         rbd,
         cluster_id,
         Mode::All,
@@ -148,6 +159,26 @@ async fn krbd_maps_and_unmaps_through_sysfs_strings() {
         ],
     )
     .await;
+    KrbdNode {
+        env,
+        kernel,
+        loop_dev,
+        backing,
+        dev,
+        _fake: fake,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn krbd_maps_and_unmaps_through_sysfs_strings() {
+    let KrbdNode {
+        mut env,
+        kernel,
+        loop_dev,
+        backing,
+        dev,
+        _fake,
+    } = krbd_node("csi-krbd").await;
     // krbd is this node's default mapper (a bus/rbd exists): Probe is ready
     // (issue 25 defect 9: it never was).
     let probe = env
@@ -280,4 +311,69 @@ async fn krbd_maps_and_unmaps_through_sysfs_strings() {
     );
     assert!(!dev.join("rbd0").exists());
     drop(loop_dev);
+}
+
+/// After a kill -9 and restart of the plugin, a krbd volume's staging lock
+/// is released (NodeUnstage carries no secrets, so the release waits) as
+/// the Ceph user that staged it: a call that brings another user's
+/// credentials for the same cluster leaves it, and the next one that
+/// brings the staging user's releases it. Before, credentials were kept
+/// per cluster and the first call for it released the lock with whatever
+/// user it brought.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deferred_krbd_release_runs_as_the_user_that_staged() {
+    let mut k = krbd_node("krbd-user").await;
+    let env = &mut k.env;
+    let id = env.create_volume("pvc-user", 32 * MIB, block_cap()).await;
+    let other = env.create_volume("pvc-other", 32 * MIB, block_cap()).await;
+    let staging = env.path("staging");
+    std::fs::create_dir_all(&staging).unwrap();
+    env.node()
+        .await
+        .node_stage_volume(env.stage_request(&id, &staging, block_cap()))
+        .await
+        .unwrap();
+    env.csi.kill9();
+    env.csi.restart();
+    env.unstage(&id, &staging).await;
+    let image = rbdkit::volume::VolumeId::parse(&id).unwrap().image;
+    let holders = || {
+        ImageLock::open(&support::ceph::cluster(), POOL, &env.rbd.name, &image)
+            .unwrap()
+            .holders()
+            .unwrap()
+            .lockers
+            .len()
+    };
+    assert_eq!(holders(), 1, "released with no credentials at all?");
+
+    // Another user's call on the same cluster: the lock stays.
+    let as_provisioner = |vol: &str, s: &std::path::Path| {
+        let mut r = env.stage_request(vol, s, block_cap());
+        r.secrets = env.secrets();
+        r
+    };
+    let s2 = env.path("staging-other");
+    std::fs::create_dir_all(&s2).unwrap();
+    env.node()
+        .await
+        .node_stage_volume(as_provisioner(&other, &s2))
+        .await
+        .unwrap_or_else(|e| panic!("stage as {}: {e}", support::ceph::PROVISIONER_USER));
+    assert_eq!(holders(), 1, "released with another user's credentials");
+    env.unstage(&other, &s2).await;
+
+    // The staging user's call: released.
+    env.node()
+        .await
+        .node_stage_volume(env.stage_request(&other, &s2, block_cap()))
+        .await
+        .unwrap();
+    assert_eq!(
+        holders(),
+        0,
+        "not released with the staging user's credentials"
+    );
+    env.unstage(&other, &s2).await;
+    drop(k);
 }

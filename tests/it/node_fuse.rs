@@ -1969,7 +1969,20 @@ fn a_stalled_pool_holds_up_no_other_volume() {
     // Two copies wanted, both needed, one OSD: the pool's PGs go inactive.
     pool_set("size", "2");
     pool_set("min_size", "2");
-    std::thread::sleep(Duration::from_secs(2));
+    // Until the manager reports none of its PGs active.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = admin.mon_command(r#"{"prefix": "pg stat"}"#, &[]).unwrap();
+        let text = String::from_utf8_lossy(&out.output).into_owned() + &out.status;
+        if !text.contains("active") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the pool's PGs stay active: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
     let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let writers: Vec<_> = (0..256u64)
         .map(|i| {
