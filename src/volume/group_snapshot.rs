@@ -240,51 +240,37 @@ fn make_member(
     Ok(())
 }
 
-/// Removes the RBD group of `gid` with its snapshot and memberships, if
-/// they are there.
-fn remove_scaffolding(
-    io: &IoCtx,
-    metrics: &dyn CephObserver,
-    gid: &GroupSnapshotId,
-) -> Result<(), VolumeError> {
-    remove_group(io, metrics, &gid.name)
-}
-
-/// Removes RBD group `g` with its snapshots and memberships, if it is there.
+/// Removes RBD group `g` with its snapshots and memberships, then its
+/// marker, whichever of them are there (a kill between the group's removal
+/// and its marker's leaves the marker alone).
 fn remove_group(io: &IoCtx, metrics: &dyn CephObserver, g: &str) -> Result<(), VolumeError> {
-    let images = match timed(metrics, "group_image_list", || rbd::group_image_list(io, g)) {
-        Ok(i) => i,
-        Err(e) if e.kind() == ErrorKind::NotFound => {
-            // Killed between the group's removal and its marker's.
-            return ignore(
+    match timed(metrics, "group_image_list", || rbd::group_image_list(io, g)) {
+        Ok(images) => {
+            let snaps = timed(metrics, "group_snap_list", || rbd::group_snap_list(io, g))?;
+            for s in snaps {
+                ignore(
+                    ErrorKind::NotFound,
+                    timed(metrics, "group_snap_remove", || {
+                        rbd::group_snap_remove(io, g, &s.name)
+                    }),
+                )?;
+            }
+            for i in images.iter().filter(|i| i.pool_id == io.pool_id()) {
+                ignore(
+                    ErrorKind::NotFound,
+                    timed(metrics, "group_image_remove", || {
+                        rbd::group_image_remove(io, g, io, &i.name)
+                    }),
+                )?;
+            }
+            ignore(
                 ErrorKind::NotFound,
-                timed(metrics, "remove", || io.remove(&marker(g))),
-            )
-            .map_err(Into::into);
+                timed(metrics, "group_remove", || rbd::group_remove(io, g)),
+            )?;
         }
+        Err(e) if e.kind() == ErrorKind::NotFound => {}
         Err(e) => return Err(e.into()),
-    };
-    let snaps = timed(metrics, "group_snap_list", || rbd::group_snap_list(io, g))?;
-    for s in snaps {
-        ignore(
-            ErrorKind::NotFound,
-            timed(metrics, "group_snap_remove", || {
-                rbd::group_snap_remove(io, g, &s.name)
-            }),
-        )?;
     }
-    for i in images.iter().filter(|i| i.pool_id == io.pool_id()) {
-        ignore(
-            ErrorKind::NotFound,
-            timed(metrics, "group_image_remove", || {
-                rbd::group_image_remove(io, g, io, &i.name)
-            }),
-        )?;
-    }
-    ignore(
-        ErrorKind::NotFound,
-        timed(metrics, "group_remove", || rbd::group_remove(io, g)),
-    )?;
     ignore(
         ErrorKind::NotFound,
         timed(metrics, "remove", || io.remove(&marker(g))),
@@ -319,7 +305,7 @@ fn take_group_snap(
         });
         match added {
             Ok(()) => {}
-            Err(e) if e.kind() == ErrorKind::AlreadyExists || e.errno() == libc::EEXIST => {
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => {
                 return Err(VolumeError::Busy {
                     image: s.to_string(),
                     why: format!(
@@ -342,16 +328,17 @@ fn take_group_snap(
 }
 
 /// Removes what a failed [`take_group_snap`] made and returns its error
-/// (the cleanup's own failure is logged: a retry or `rbdkit gc` ends it).
+/// (the cleanup's own failure is logged: a retry, or a delete of the group
+/// snapshot's name, ends it).
 fn undo_scaffolding(
     io: &IoCtx,
     metrics: &dyn CephObserver,
     gid: &GroupSnapshotId,
     e: VolumeError,
 ) -> VolumeError {
-    if let Err(undo) = remove_scaffolding(io, metrics, gid) {
+    if let Err(undo) = remove_group(io, metrics, &gid.name) {
         tracing::warn!(group = %gid, error = %undo,
-            "cannot remove the RBD group of a failed group snapshot; a retry or rbdkit gc will");
+            "cannot remove the RBD group of a failed group snapshot; a retry, or a delete of its name, will");
     }
     e
 }
@@ -482,7 +469,7 @@ pub fn ensure_group_snapshot(
             make_member(&io, metrics, s, m, &gid, name, provisioner)?;
         }
     }
-    remove_scaffolding(&io, metrics, &gid)?;
+    remove_group(&io, metrics, &gid.name)?;
     let members = sources
         .iter()
         .map(|s| gid.member(s, SNAP_NAME))
@@ -611,7 +598,7 @@ pub fn delete_group_snapshot(
             });
         }
     }
-    remove_scaffolding(&io, metrics, gid)?;
+    remove_group(&io, metrics, &gid.name)?;
     for m in &found {
         snap::delete_snapshot(cluster, metrics, m, provisioner)?;
     }
