@@ -255,67 +255,106 @@ fn to_hash(m: BTreeMap<String, String>) -> HashMap<String, String> {
 
 impl ControllerService {
     /// This driver's volumes in every pool it has seen, sorted by handle,
-    /// each with what is wrong with it when `health` is asked for.
+    /// each with what is wrong with it when `health` is asked for. A pool
+    /// that cannot be scanned fails the list (ListVolumes), or, for health,
+    /// has the volumes its last scan found reported inaccessible, naming
+    /// the error, and the other pools are listed all the same.
     async fn scan_volumes(&self, health: bool) -> Result<Vec<ScannedVolume>, Status> {
         let mut all = Vec::new();
-        for (cluster_id, pool, ns) in self.driver.pools_seen() {
-            let conn = self.driver.connect(&cluster_id, &HashMap::new()).await?;
-            let name = self.driver.name.clone();
-            let found = self
-                .driver
-                .ceph(&conn, move |c, _m| {
-                    let io = c.ioctx_ns(&pool, &ns)?;
-                    let pool_health = if health {
-                        pool_health(c, &pool)
-                    } else {
-                        Vec::new()
-                    };
-                    let mut out = Vec::new();
-                    for image in rbd::list_names(&io)? {
-                        // Another client may remove it meanwhile.
-                        let Ok(img) = Image::open_read_only(&io, &image) else {
-                            continue;
-                        };
-                        if img.metadata_get(META_PROVISIONER).ok().as_deref() != Some(&name)
-                            || img.metadata_get(META_KIND).is_ok()
-                        {
-                            continue;
+        for place in self.driver.pools_seen() {
+            match self.scan_pool(&place, health).await {
+                Ok(found) => {
+                    self.driver
+                        .scanned(&place, found.iter().map(|v| v.handle.clone()).collect());
+                    all.extend(found);
+                }
+                Err(e) if health => {
+                    let (cluster_id, pool, ns) = &place;
+                    let why = format!(
+                        "pool {pool:?} (namespace {ns:?}) of cluster {cluster_id:?} cannot be \
+                         read: {}",
+                        e.message()
+                    );
+                    tracing::warn!(cluster = %cluster_id, pool = %pool, error = %e.message(),
+                        "volume health: a pool cannot be scanned; its volumes are reported inaccessible");
+                    all.extend(self.driver.last_scanned(&place).into_iter().map(|handle| {
+                        ScannedVolume {
+                            handle,
+                            size: 0,
+                            problems: vec![health_entry(
+                                VolumeHealthErrorType::Inaccessible,
+                                "PoolUnreadable",
+                                why.clone(),
+                            )],
                         }
-                        let vol = VolumeId {
-                            cluster_id: cluster_id.clone(),
-                            pool: pool.clone(),
-                            rados_namespace: ns.clone(),
-                            image,
-                        };
-                        let mut problems = Vec::new();
-                        if health {
-                            problems = image_health(&img);
-                            problems.extend(pool_health.iter().cloned());
-                        }
-                        // One unreadable header is that volume's problem,
-                        // not a failed list (0: size unknown).
-                        let size = img.size().unwrap_or_else(|e| {
-                            problems.push(health_entry(
-                                VolumeHealthErrorType::Degraded,
-                                "HeaderUnreadable",
-                                format!("the image's size cannot be read: {e}"),
-                            ));
-                            0
-                        });
-                        out.push(ScannedVolume {
-                            handle: vol.handle(),
-                            size,
-                            problems,
-                        });
-                    }
-                    Ok(out)
-                })
-                .await
-                .map_err(|e| volume_status(&e))?;
-            all.extend(found);
+                    }));
+                }
+                Err(e) => return Err(e),
+            }
         }
         all.sort_by(|a, b| a.handle.cmp(&b.handle));
         Ok(all)
+    }
+
+    /// One pool's volumes of this driver (one blocking call).
+    async fn scan_pool(
+        &self,
+        place: &(String, String, String),
+        health: bool,
+    ) -> Result<Vec<ScannedVolume>, Status> {
+        let (cluster_id, pool, ns) = place.clone();
+        let conn = self.driver.connect(&cluster_id, &HashMap::new()).await?;
+        let name = self.driver.name.clone();
+        self.driver
+            .ceph(&conn, move |c, _m| {
+                let io = c.ioctx_ns(&pool, &ns)?;
+                let pool_health = if health {
+                    pool_health(c, &pool)
+                } else {
+                    Vec::new()
+                };
+                let mut out = Vec::new();
+                for image in rbd::list_names(&io)? {
+                    // Another client may remove it meanwhile.
+                    let Ok(img) = Image::open_read_only(&io, &image) else {
+                        continue;
+                    };
+                    if img.metadata_get(META_PROVISIONER).ok().as_deref() != Some(&name)
+                        || img.metadata_get(META_KIND).is_ok()
+                    {
+                        continue;
+                    }
+                    let vol = VolumeId {
+                        cluster_id: cluster_id.clone(),
+                        pool: pool.clone(),
+                        rados_namespace: ns.clone(),
+                        image,
+                    };
+                    let mut problems = Vec::new();
+                    if health {
+                        problems = image_health(&img);
+                        problems.extend(pool_health.iter().cloned());
+                    }
+                    // One unreadable header is that volume's problem,
+                    // not a failed list (0: size unknown).
+                    let size = img.size().unwrap_or_else(|e| {
+                        problems.push(health_entry(
+                            VolumeHealthErrorType::Degraded,
+                            "HeaderUnreadable",
+                            format!("the image's size cannot be read: {e}"),
+                        ));
+                        0
+                    });
+                    out.push(ScannedVolume {
+                        handle: vol.handle(),
+                        size,
+                        problems,
+                    });
+                }
+                Ok(out)
+            })
+            .await
+            .map_err(|e| volume_status(&e))
     }
 }
 

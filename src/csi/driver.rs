@@ -44,6 +44,9 @@ pub struct Driver {
     // a volume (releasing its staging lock) waits for that user's.
     known_users: Mutex<HashMap<(String, String), Credentials>>,
     pools_seen: Mutex<HashSet<(String, String, String)>>,
+    // Per pool, the volumes its last successful scan found: what a health
+    // list reports as unreachable when the pool cannot be scanned.
+    pool_volumes: Mutex<HashMap<(String, String, String), Vec<String>>>,
 }
 
 impl std::fmt::Debug for Driver {
@@ -96,6 +99,7 @@ impl Driver {
             known: Mutex::new(HashMap::new()),
             known_users: Mutex::new(HashMap::new()),
             pools_seen: Mutex::new(HashSet::new()),
+            pool_volumes: Mutex::new(HashMap::new()),
         }
     }
 
@@ -218,6 +222,24 @@ impl Driver {
                 vol.pool.clone(),
                 vol.rados_namespace.clone(),
             ));
+    }
+
+    /// Records the volumes (handles) a scan of `pool` found.
+    pub fn scanned(&self, pool: &(String, String, String), handles: Vec<String>) {
+        self.pool_volumes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(pool.clone(), handles);
+    }
+
+    /// The volumes the last successful scan of `pool` found.
+    pub fn last_scanned(&self, pool: &(String, String, String)) -> Vec<String> {
+        self.pool_volumes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(pool)
+            .cloned()
+            .unwrap_or_default()
     }
 
     /// The (cluster, pool, namespace) triples volumes were seen in, sorted.

@@ -761,3 +761,77 @@ async fn snapshots_restores_and_clones() {
     assert!(rbd::list_names(&env.rbd.ioctx).unwrap().is_empty());
     assert!(rbd::trash_list(&env.rbd.ioctx).unwrap().is_empty());
 }
+
+/// ControllerListVolumeHealth with one pool that cannot be read (its
+/// cluster's monitor and OSD stopped): the volumes the last list found
+/// there are reported inaccessible, naming the pool and the error, and the
+/// other pools are listed all the same. Before, the one pool's error was
+/// the whole list's, and nothing was listed.
+#[tokio::test(flavor = "multi_thread")]
+async fn list_volume_health_reports_an_unreadable_pool_and_lists_the_others() {
+    let mut env = CsiEnv::with_ns(
+        std::sync::Arc::new(support::ceph::TestNs::new("csi-hlist")),
+        support::ceph::unique("csi-hlist"),
+        Mode::Controller,
+        "node-a",
+        &["--ceph-op-timeout", "5s"],
+    )
+    .await;
+    let other = support::ceph::PrivateCluster::start("hlist");
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(env.path("config.json")).unwrap()).unwrap();
+    config.as_array_mut().unwrap().push(serde_json::json!({
+        "clusterID": "hlist-other",
+        "monitors": [other.conf_value("mon host").unwrap()],
+    }));
+    std::fs::write(env.path("config.json"), config.to_string()).unwrap();
+    env.csi.restart();
+    let live = env
+        .create_volume("pvc-hlist-live", 8 * MIB, mount_cap("ext4"))
+        .await;
+    let mut ctl = env.controller().await;
+    let made = ctl
+        .create_volume(CreateVolumeRequest {
+            name: "pvc-hlist-other".into(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 8 * MIB,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![mount_cap("ext4")],
+            parameters: HashMap::from([
+                ("clusterID".to_owned(), "hlist-other".to_owned()),
+                ("pool".to_owned(), support::ceph::POOL.to_owned()),
+            ]),
+            secrets: HashMap::from([
+                ("userID".to_owned(), "admin".to_owned()),
+                ("userKey".to_owned(), other.admin_key()),
+            ]),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("create on the other cluster: {e}"))
+        .into_inner();
+    let gone = made.volume.unwrap().volume_id;
+    let list = || async {
+        env.controller()
+            .await
+            .controller_list_volume_health(ControllerListVolumeHealthRequest::default())
+            .await
+    };
+    let first = list().await.unwrap().into_inner();
+    assert!(first.entries.is_empty(), "both healthy: {first:?}");
+
+    other.stop_daemon("osd.0");
+    other.stop_daemon("mon.a");
+    let after = list()
+        .await
+        .unwrap_or_else(|e| panic!("one unreadable pool failed the whole list: {e}"))
+        .into_inner();
+    let ids: Vec<&str> = after.entries.iter().map(|e| e.volume_id.as_str()).collect();
+    assert_eq!(ids, vec![gone.as_str()], "{after:?}");
+    let h = &after.entries[0].health_statuses[0];
+    assert_eq!(h.reason, "PoolUnreadable", "{h:?}");
+    assert!(h.message.contains("\"hlist-other\""), "{h:?}");
+    assert!(!ids.contains(&live.as_str()));
+    drop(other);
+}
