@@ -391,13 +391,28 @@ fn dropping_or_closing_an_image_with_requests_in_flight() {
     let ns = TestNs::new("aio-close");
     const N: usize = 256;
     const BLOCK: usize = 64 << 10;
+    // A connection of its own that keeps one op in flight at the OSDs, the
+    // rest queued, and all the data made before the first submission: so
+    // requests are still in flight at close however fast the cluster is
+    // (on an idle machine they had all completed before, and the race
+    // this test is about did not happen).
+    let serial = support::ceph::TestCluster::get()
+        .options()
+        .set("objecter_inflight_ops", "1")
+        .connect()
+        .unwrap();
+    let io = serial.ioctx_ns(support::ceph::POOL, &ns.name).unwrap();
     let mut in_flight_at_close = 0;
     for (k, how) in ["drop", "close", "close_async"].into_iter().enumerate() {
         let name = format!("img-{how}");
-        let img = new_image(&ns, &name, (N * BLOCK) as u64);
+        rbd::create(&io, &name, (N * BLOCK) as u64, &ImageOptions::new()).unwrap();
+        let img = Image::open(&io, &name).unwrap();
         let seed = |i: usize| (k * 10_000 + i) as u64;
-        let writes: Vec<_> = (0..N)
-            .map(|i| img.aio_write((i * BLOCK) as u64, pattern(seed(i), BLOCK)))
+        let data: Vec<Vec<u8>> = (0..N).map(|i| pattern(seed(i), BLOCK)).collect();
+        let writes: Vec<_> = data
+            .into_iter()
+            .enumerate()
+            .map(|(i, d)| img.aio_write((i * BLOCK) as u64, d))
             .collect();
         let reads: Vec<_> = (0..N / 4)
             .map(|i| img.aio_read((i * BLOCK) as u64, BLOCK))
