@@ -8,11 +8,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::coordination::v1::Lease;
-use kube::api::ListParams;
 use kube::Api;
 use serde_json::json;
 
-use rbdkit::provisioner::controller::CLAIM_FINALIZER;
 use rbdkit::rbd;
 use rbdkit::volume::ops::TEMP_SUFFIX;
 
@@ -121,20 +119,7 @@ async fn apiserver_restart_mid_run_resumes_without_duplicates() {
     );
     assert_eq!(images, pv_names, "images vs PVs");
     assert!(rbd::trash_list(&env.rbd.ioctx).unwrap().is_empty());
-    for c in env
-        .claims()
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-    {
-        let f = c.metadata.finalizers.unwrap_or_default();
-        assert!(
-            !f.iter().any(|f| f == CLAIM_FINALIZER),
-            "{:?}: {f:?}",
-            c.metadata.name
-        );
-    }
+    env.wait_claim_finalizers_dropped().await;
     eprintln!(
         "after the restart: {} claims, {} PVs, {} images, 0 duplicates, 0 stuck finalizers",
         want.len(),

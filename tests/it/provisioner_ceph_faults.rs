@@ -12,11 +12,10 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{PersistentVolume, Secret as K8sSecret};
-use kube::api::{ListParams, PostParams};
+use kube::api::PostParams;
 use kube::Api;
 use serde_json::json;
 
-use rbdkit::provisioner::controller::CLAIM_FINALIZER;
 use rbdkit::rados::Cluster;
 use rbdkit::rbd;
 use rbdkit::volume::quantity::MIB;
@@ -166,23 +165,10 @@ impl World {
         let (images, trash) = self.ceph_state();
         assert_eq!(images, pvs, "images vs PVs");
         assert_eq!(trash, 0, "trash entries");
-        let claims = self
-            .env
-            .claims()
-            .list(&ListParams::default())
-            .await
-            .unwrap();
-        for c in &claims.items {
-            let f = c.metadata.finalizers.clone().unwrap_or_default();
-            assert!(
-                !f.iter().any(|f| f == CLAIM_FINALIZER),
-                "{:?}: {f:?}",
-                c.metadata.name
-            );
-        }
+        let claims = self.env.wait_claim_finalizers_dropped().await;
         eprintln!(
             "after the fault: {} claims, {} PVs, {} images, 0 trash entries, 0 stuck finalizers",
-            claims.items.len(),
+            claims,
             pvs.len(),
             images.len()
         );

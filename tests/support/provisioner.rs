@@ -490,6 +490,40 @@ impl Env {
         (c, pv)
     }
 
+    /// Waits until no claim in the namespace keeps the provisioner's
+    /// finalizer. The provisioner drops it only after the binder has
+    /// written the claim's Bound phase, so a test that has just seen Bound
+    /// must wait for it; one kept past `WAIT` is stuck.
+    pub async fn wait_claim_finalizers_dropped(&self) -> usize {
+        let claims = self.claims();
+        eventually(
+            "no claim keeping the provisioning finalizer",
+            WAIT,
+            || async {
+                let list = claims
+                    .list(&ListParams::default())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let kept: Vec<String> = list
+                    .items
+                    .iter()
+                    .filter(|c| {
+                        let f = c.metadata.finalizers.as_deref().unwrap_or_default();
+                        f.iter()
+                            .any(|f| f == rbdkit::provisioner::controller::CLAIM_FINALIZER)
+                    })
+                    .filter_map(|c| c.metadata.name.clone())
+                    .collect();
+                if kept.is_empty() {
+                    Ok(list.items.len())
+                } else {
+                    Err(format!("kept by {kept:?}"))
+                }
+            },
+        )
+        .await
+    }
+
     /// Claim `claim`'s finalizers.
     pub async fn claim_finalizers(&self, claim: &str) -> Vec<String> {
         let c = self.claims().get(claim).await;
