@@ -381,7 +381,15 @@ async fn report_error(content: &VolumeSnapshotContent, ctx: &Context, reason: &s
     if current == Some(message.as_str()) {
         return;
     }
-    let patch = json!({"status": {"error": {"message": message, "time": now_rfc3339()}}});
+    // With readyToUse: the snapshot-controller requeues a VolumeSnapshot
+    // on a content change only if readyToUse (not the error) differs, so an
+    // error set after it first wrote the snapshot's status never reached
+    // the VolumeSnapshot until its 15-minute resync. csi-snapshotter sets
+    // both for the same reason. Only a content not ready gets here.
+    let patch = json!({"status": {
+        "error": {"message": message, "time": now_rfc3339()},
+        "readyToUse": false,
+    }});
     if let Err(e) = api(ctx)
         .patch_status(
             &content.name_any(),

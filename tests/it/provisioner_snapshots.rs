@@ -220,11 +220,26 @@ async fn retain_policy_keeps_the_snapshot_image() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bad_class_parameter_is_reported_and_nothing_is_made() {
     let (env, class) = setup("snapbad").await;
-    let _p = env.start_in_process();
-    let vol = source(&env, &class, "src", 9).await;
+    let vol = {
+        let _p = env.start_in_process();
+        source(&env, &class, "src", 9).await
+    };
     let sclass = snapshot_class(&env, "bad", "Delete", json!({"fooBar": "1"})).await;
     snaps::create_snapshot(&env.client, &env.ns, "bad", &sclass, "src").await;
     let vss = snaps::volume_snapshots(&env.client, &env.ns);
+    // The order that lost the error: the snapshot-controller writes the
+    // VolumeSnapshot's status before the provisioner reports on its
+    // content, so only a content change can carry the error over.
+    eventually("the VolumeSnapshot bound, with no error", WAIT, || async {
+        let vs = vss.get("bad").await.map_err(|e| e.to_string())?;
+        let st = &vs.data["status"];
+        match st["boundVolumeSnapshotContentName"].as_str() {
+            Some(_) if st["error"].is_null() => Ok(()),
+            _ => Err(format!("status {st}")),
+        }
+    })
+    .await;
+    let _p = env.start_in_process();
     let msg = eventually("the VolumeSnapshot's status.error", WAIT, || async {
         let vs = vss.get("bad").await.map_err(|e| e.to_string())?;
         match vs.data["status"]["error"]["message"].as_str() {
