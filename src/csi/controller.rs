@@ -439,7 +439,7 @@ impl Controller for ControllerService {
             // The source's size (a larger limit only caps it).
             size = 0;
         }
-        let _busy = self.driver.begin(&name)?;
+        let busy = self.driver.begin(&name)?;
         let info = self.driver.cluster(&params.cluster_id)?;
         let vol = VolumeId {
             cluster_id: params.cluster_id.clone(),
@@ -465,7 +465,7 @@ impl Controller for ControllerService {
         let created = match source {
             None => self
                 .driver
-                .ceph(&conn, move |c, m| {
+                .ceph_holding(&busy, &conn, move |c, m| {
                     ops::ensure_image(c, m, &CO_SERIALISED, &v, size, &options, &owner)
                 })
                 .await
@@ -477,7 +477,7 @@ impl Controller for ControllerService {
                 };
                 let cloned = self
                     .driver
-                    .ceph(&conn, move |c, m| match &source {
+                    .ceph_holding(&busy, &conn, move |c, m| match &source {
                         Source::Snapshot(s) => snap::ensure_volume_from_snapshot(
                             c, m, s, &v, size, &options, &owner, &opts,
                         ),
@@ -526,13 +526,13 @@ impl Controller for ControllerService {
         let Ok(vol) = VolumeId::parse(id) else {
             return Ok(Response::new(DeleteVolumeResponse {}));
         };
-        let _busy = self.driver.begin(id)?;
+        let busy = self.driver.begin(id)?;
         let conn = self.driver.connect(&vol.cluster_id, &req.secrets).await?;
         let name = self.driver.name.clone();
         let v = vol.clone();
         let outcome = self
             .driver
-            .ceph(&conn, move |c, m| {
+            .ceph_holding(&busy, &conn, move |c, m| {
                 match ops::recorded_pv_name(c, m, &v, &name)? {
                     None => Ok(ops::Deleted::AlreadyGone),
                     Some(pv) => ops::delete_image(c, m, &CO_SERIALISED, &v, &name, &pv),
@@ -750,7 +750,7 @@ impl Controller for ControllerService {
                 )));
             }
         }
-        let _busy = self.driver.begin(&format!("snapshot/{name}"))?;
+        let busy = self.driver.begin(&format!("snapshot/{name}"))?;
         let conn = self
             .driver
             .connect(&source.cluster_id, &req.secrets)
@@ -775,7 +775,7 @@ impl Controller for ControllerService {
         let src = source.clone();
         let info = self
             .driver
-            .ceph(&conn, move |c, m| {
+            .ceph_holding(&busy, &conn, move |c, m| {
                 snap::ensure_snapshot(c, m, &src, &image, &owner, &opts)
             })
             .await
@@ -797,13 +797,15 @@ impl Controller for ControllerService {
         let Ok(sid) = SnapshotId::parse(id) else {
             return Ok(Response::new(DeleteSnapshotResponse {}));
         };
-        let _busy = self.driver.begin(id)?;
+        let busy = self.driver.begin(id)?;
         let conn = self.driver.connect(&sid.cluster_id, &req.secrets).await?;
         let name = self.driver.name.clone();
         let s = sid.clone();
         let outcome = self
             .driver
-            .ceph(&conn, move |c, m| snap::delete_snapshot(c, m, &s, &name))
+            .ceph_holding(&busy, &conn, move |c, m| {
+                snap::delete_snapshot(c, m, &s, &name)
+            })
             .await;
         match outcome {
             Ok(done) => {
@@ -936,13 +938,13 @@ impl Controller for ControllerService {
             .as_ref()
             .ok_or_else(|| Status::invalid_argument("capacity_range is missing"))?;
         let (size, _, _) = size_for(Some(range))?;
-        let _busy = self.driver.begin(&req.volume_id)?;
+        let busy = self.driver.begin(&req.volume_id)?;
         let conn = self.driver.connect(&vol.cluster_id, &req.secrets).await?;
         let name = self.driver.name.clone();
         let v = vol.clone();
         let new_size = self
             .driver
-            .ceph(&conn, move |c, m| {
+            .ceph_holding(&busy, &conn, move |c, m| {
                 let pv = ops::recorded_pv_name(c, m, &v, &name)?.ok_or_else(|| {
                     VolumeError::Missing {
                         image: v.image.clone(),

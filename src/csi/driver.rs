@@ -1,6 +1,6 @@
 //! What the three CSI services share: the clusters config, the connection
-//! cache, the credentials seen so far, the per-volume in-flight guard, and
-//! the mapping of errors to gRPC status codes.
+//! cache, the credentials seen so far, the per-volume in-flight guard, the
+//! background jobs, and the mapping of errors to gRPC status codes.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -35,7 +35,9 @@ pub struct Driver {
     pub pool: BlockingPool,
     /// Where Ceph call timings go.
     pub observer: Arc<dyn CephObserver>,
-    inflight: Mutex<HashSet<String>>,
+    /// Work that outlives its request (a group snapshot's member copies).
+    pub jobs: crate::csi::jobs::Jobs,
+    inflight: Arc<Mutex<HashSet<String>>>,
     // Calls that carry no secrets (ListVolumes, GetCapacity, Probe) use the
     // credentials an earlier call brought for the same cluster. In memory
     // only.
@@ -59,17 +61,35 @@ impl std::fmt::Debug for Driver {
 }
 
 /// Holds a volume id for one operation; a second operation on the same id
-/// is refused with ABORTED until this is dropped, as the CSI spec asks.
+/// is refused with ABORTED until the last clone of this is dropped, as the
+/// CSI spec asks. A clone moved into the blocking work (see
+/// [`Driver::ceph_holding`]) keeps the id busy while that work runs on
+/// after its request was cancelled, so a retry cannot race it.
+#[derive(Debug, Clone)]
+pub struct InFlight {
+    _key: Arc<InFlightKey>,
+}
+
 #[derive(Debug)]
-pub struct InFlight<'a> {
-    driver: &'a Driver,
+struct InFlightKey {
+    set: Arc<Mutex<HashSet<String>>>,
     key: String,
 }
 
-impl Drop for InFlight<'_> {
+/// An in-flight guard of its own, for unit tests.
+#[cfg(test)]
+pub(crate) fn test_in_flight(key: &str) -> InFlight {
+    InFlight {
+        _key: Arc::new(InFlightKey {
+            set: Arc::new(Mutex::new(HashSet::from([key.to_owned()]))),
+            key: key.to_owned(),
+        }),
+    }
+}
+
+impl Drop for InFlightKey {
     fn drop(&mut self) {
-        self.driver
-            .inflight
+        self.set
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(&self.key);
@@ -95,7 +115,8 @@ impl Driver {
             conns,
             pool,
             observer,
-            inflight: Mutex::new(HashSet::new()),
+            jobs: crate::csi::jobs::Jobs::new(),
+            inflight: Arc::new(Mutex::new(HashSet::new())),
             known: Mutex::new(HashMap::new()),
             known_users: Mutex::new(HashMap::new()),
             pools_seen: Mutex::new(HashSet::new()),
@@ -105,7 +126,7 @@ impl Driver {
 
     /// Marks `key` (a volume id or name) busy, or fails with ABORTED if an
     /// operation on it is already running.
-    pub fn begin(&self, key: &str) -> Result<InFlight<'_>, Status> {
+    pub fn begin(&self, key: &str) -> Result<InFlight, Status> {
         let mut set = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
         if !set.insert(key.to_owned()) {
             return Err(Status::aborted(format!(
@@ -113,8 +134,10 @@ impl Driver {
             )));
         }
         Ok(InFlight {
-            driver: self,
-            key: key.to_owned(),
+            _key: Arc::new(InFlightKey {
+                set: Arc::clone(&self.inflight),
+                key: key.to_owned(),
+            }),
         })
     }
 
@@ -210,6 +233,23 @@ impl Driver {
             conn.check(e);
         }
         out
+    }
+
+    /// [`Driver::ceph`] for work on a busy id: `busy` stays held until `f`
+    /// returns, even if the request that waits for it is cancelled.
+    pub async fn ceph_holding<T: Send + 'static>(
+        &self,
+        busy: &InFlight,
+        conn: &Conn,
+        f: impl FnOnce(&Cluster, &dyn CephObserver) -> Result<T, VolumeError> + Send + 'static,
+    ) -> Result<T, VolumeError> {
+        let busy = busy.clone();
+        self.ceph(conn, move |c, m| {
+            let out = f(c, m);
+            drop(busy);
+            out
+        })
+        .await
     }
 
     /// Remembers that volumes live in this pool, for ListVolumes.

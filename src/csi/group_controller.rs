@@ -10,7 +10,7 @@ use std::sync::Arc;
 use tonic::{Request, Response, Status};
 
 use crate::csi::controller::{class_params, csi_snapshot, timestamp};
-use crate::csi::driver::{required, volume_status, Driver};
+use crate::csi::driver::{required, volume_status, Driver, InFlight};
 use crate::csi::proto::{
     group_controller_server::GroupController, group_controller_service_capability,
     CreateVolumeGroupSnapshotRequest, CreateVolumeGroupSnapshotResponse,
@@ -19,7 +19,10 @@ use crate::csi::proto::{
     GroupControllerGetCapabilitiesRequest, GroupControllerGetCapabilitiesResponse,
     GroupControllerServiceCapability, VolumeGroupSnapshot,
 };
-use crate::volume::group_snapshot::{self as group, GroupSnapshotInfo};
+use crate::volume::clusters::Conn;
+use crate::volume::group_snapshot::{
+    self as group, Copies, Ensured, GroupSnapshotInfo, PendingCopies,
+};
 use crate::volume::ops::VolumeError;
 use crate::volume::params::{SnapshotParams, CLUSTER_ID, POOL};
 use crate::volume::{GroupSnapshotId, SnapshotId, VolumeId};
@@ -33,6 +36,31 @@ impl GroupControllerService {
     /// A group controller over `driver`.
     pub fn new(driver: Arc<Driver>) -> GroupControllerService {
         GroupControllerService { driver }
+    }
+}
+
+impl GroupControllerService {
+    /// Starts the members' data copies as a job holding `busy`; returns
+    /// the group snapshot as reported until they are done.
+    fn copy_in_background(
+        &self,
+        handle: String,
+        busy: InFlight,
+        conn: Conn,
+        pending: PendingCopies,
+    ) -> GroupSnapshotInfo {
+        let info = pending.info.clone();
+        tracing::info!(group_snapshot = %info.id, bytes = pending.bytes(),
+            "group snapshot taken; copying the members librbd cannot clone in the background");
+        let observer = Arc::clone(&self.driver.observer);
+        self.driver.jobs.start(handle, info.clone(), busy, move || {
+            let out = pending.run(conn.cluster(), observer.as_ref());
+            if let Err(VolumeError::Ceph(e)) = &out {
+                conn.check(e);
+            }
+            out.map_err(|e| volume_status(&e))
+        });
+        info
     }
 }
 
@@ -119,17 +147,30 @@ impl GroupController for GroupControllerService {
                 )));
             }
         }
-        let _busy = self.driver.begin(&format!("groupsnapshot/{name}"))?;
+        let handle = gid.handle();
+        // A retry while the members are copied: answered from the job.
+        if let Some(state) = self.driver.jobs.take(&handle) {
+            let info = state?;
+            return Ok(Response::new(CreateVolumeGroupSnapshotResponse {
+                group_snapshot: Some(csi_group(&info)),
+            }));
+        }
+        let busy = self.driver.begin(&handle)?;
         let conn = self.driver.connect(&gid.cluster_id, &req.secrets).await?;
         let provisioner = self.driver.name.clone();
-        let info = self
+        let ensured = self
             .driver
-            .ceph(&conn, move |c, m| {
-                group::ensure_group_snapshot(c, m, &sources, &name, &provisioner)
+            .ceph_holding(&busy, &conn, move |c, m| {
+                group::ensure_group_snapshot(c, m, &sources, &name, &provisioner, Copies::Defer)
             })
             .await
             .map_err(|e| volume_status(&e))?;
-        tracing::info!(group_snapshot = %info.id, members = info.members.len(), "CreateVolumeGroupSnapshot done");
+        let info = match ensured {
+            Ensured::Ready(info) => info,
+            Ensured::Copying(pending) => self.copy_in_background(handle, busy, conn, pending),
+        };
+        tracing::info!(group_snapshot = %info.id, members = info.members.len(),
+            ready = info.members.iter().all(|m| m.ready), "CreateVolumeGroupSnapshot done");
         Ok(Response::new(CreateVolumeGroupSnapshotResponse {
             group_snapshot: Some(csi_group(&info)),
         }))
@@ -149,12 +190,12 @@ impl GroupController for GroupControllerService {
             return Ok(Response::new(DeleteVolumeGroupSnapshotResponse {}));
         }
         let expected = member_ids(&req.snapshot_ids)?;
-        let _busy = self.driver.begin(id)?;
+        let busy = self.driver.begin(id)?;
         let conn = self.driver.connect(&gid.cluster_id, &req.secrets).await?;
         let (g, provisioner) = (gid.clone(), self.driver.name.clone());
         let outcome = self
             .driver
-            .ceph(&conn, move |c, m| {
+            .ceph_holding(&busy, &conn, move |c, m| {
                 group::delete_group_snapshot(c, m, &g, &expected, &provisioner)
             })
             .await;
@@ -183,6 +224,11 @@ impl GroupController for GroupControllerService {
             )));
         }
         let expected = member_ids(&req.snapshot_ids)?;
+        if let Some(info) = self.driver.jobs.running(&gid.handle()) {
+            return Ok(Response::new(GetVolumeGroupSnapshotResponse {
+                group_snapshot: Some(csi_group(&info)),
+            }));
+        }
         let conn = self.driver.connect(&gid.cluster_id, &req.secrets).await?;
         let (g, provisioner) = (gid.clone(), self.driver.name.clone());
         let found = self

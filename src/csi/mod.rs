@@ -21,6 +21,7 @@ pub mod controller;
 pub mod driver;
 pub mod group_controller;
 pub mod identity;
+pub mod jobs;
 pub mod node;
 pub mod proto;
 

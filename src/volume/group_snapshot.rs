@@ -19,7 +19,9 @@
 //! A member image is made from the member's group snapshot by a clone
 //! (`rbd_clone4`, Ceph 19 Squid and later: no data copy) or, where librbd
 //! cannot clone from a snapshot outside the user namespace, by a copy of
-//! the image as of that snapshot (`rbd_copy3`, which moves the data).
+//! the image as of that snapshot (`rbd_copy3`, which moves the data). A
+//! copy takes as long as its data does, so [`Copies::Defer`] leaves it to
+//! [`PendingCopies::run`], for a caller that runs it outside any request.
 //!
 //! # Crash safety
 //! Every name derives from the request: the RBD group and the group
@@ -29,12 +31,11 @@
 //! never exists half made. The group snapshot is removed only once every
 //! member image exists, so a re-run after a kill at any step finds either
 //! the group snapshot (and makes the missing members from it) or all the
-//! members (and removes what scaffolding is left).
+//! members (and removes what scaffolding is left). A delete removes what a
+//! killed copy left under a temporary name.
 //!
 //! Every function here is blocking: call it through
-//! [`crate::blocking::BlockingPool`].
-
-use std::collections::BTreeMap;
+//! [`crate::blocking::BlockingPool`] (a [`PendingCopies::run`] outside it).
 
 use crate::rados::{Cluster, IoCtx};
 use crate::rbd::{self, Features, Image, ImageOptions, SnapNamespaceType};
@@ -152,12 +153,13 @@ fn member_done(
 }
 
 /// The id of source `image`'s part of group snapshot `group`@[`GROUP_SNAP`].
+/// The id and size of `image`'s part of group snapshot `group`.
 fn group_snap_id(
     io: &IoCtx,
     metrics: &dyn CephObserver,
     image: &Image,
     group: &str,
-) -> Result<u64, VolumeError> {
+) -> Result<(u64, u64), VolumeError> {
     for s in timed(metrics, "snap_list", || image.snap_list())? {
         if timed(metrics, "snap_namespace_type", || {
             image.snap_namespace_type(s.id)
@@ -170,12 +172,30 @@ fn group_snap_id(
         })?;
         if g.group_pool == io.pool_id() && g.group_name == group && g.group_snap_name == GROUP_SNAP
         {
-            return Ok(s.id);
+            return Ok((s.id, s.size));
         }
     }
     Err(VolumeError::Missing {
         image: format!("{}@{group}/{GROUP_SNAP} (group snapshot)", image.name()),
     })
+}
+
+/// Whether a member that librbd cannot clone is copied in the call
+/// (`Inline`) or left for [`PendingCopies::run`] (`Defer`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Copies {
+    /// Copy it now: the call lasts as long as the data copy.
+    Inline,
+    /// Leave it: the call returns once the instant is taken.
+    Defer,
+}
+
+/// What [`make_member`] did.
+enum Made {
+    /// The member image exists.
+    Done,
+    /// It needs a data copy, deferred; as it will be reported meanwhile.
+    NeedsCopy(SnapshotInfo),
 }
 
 /// Makes member image `target` of `source` from the source's part of the
@@ -189,16 +209,14 @@ fn make_member(
     gid: &GroupSnapshotId,
     request_name: &str,
     provisioner: &str,
-) -> Result<(), VolumeError> {
+    copies: Copies,
+) -> Result<Made, VolumeError> {
     let temp = format!("{}{TEMP_SUFFIX}", target.image);
     // What an interrupted attempt left under the temporary name is redone.
-    ignore(
-        ErrorKind::NotFound,
-        timed(metrics, "remove", || rbd::remove(io, &temp)),
-    )?;
+    remove_temp(io, metrics, &temp)?;
     let mut src = timed(metrics, "open", || Image::open_read_only(io, &source.image))?;
     let features = timed(metrics, "features", || src.features())?;
-    let snap_id = group_snap_id(io, metrics, &src, &gid.name)?;
+    let (snap_id, size) = group_snap_id(io, metrics, &src, &gid.name)?;
     let member_features =
         Features::from_bits(features.bits() & MEMBER_FEATURES.bits()) | Features::LAYERING;
     let opts = ImageOptions::new()
@@ -210,6 +228,18 @@ fn make_member(
     match cloned {
         Ok(()) => {}
         // librbd older than Squid clones from user snapshots only: copy.
+        Err(e) if e.kind() == ErrorKind::NotSupported && copies == Copies::Defer => {
+            let created = timed(metrics, "snap_get_timestamp", || {
+                src.snap_timestamp(snap_id)
+            })?;
+            return Ok(Made::NeedsCopy(SnapshotInfo {
+                id: target.clone(),
+                source_volume: source.handle(),
+                size,
+                created,
+                ready: false,
+            }));
+        }
         Err(e) if e.kind() == ErrorKind::NotSupported => {
             timed(metrics, "snap_set_by_id", || {
                 src.set_snapshot_by_id(snap_id)
@@ -220,23 +250,34 @@ fn make_member(
         Err(e) => return Err(e.into()),
     }
     drop(src);
-    let img = timed(metrics, "open", || Image::open(io, &temp))?;
-    let records: BTreeMap<&str, String> = [
+    let records = [
         (META_PROVISIONER, provisioner.to_owned()),
         (META_KIND, KIND_SNAPSHOT.to_owned()),
         (META_SNAPSHOT, format!("{request_name}/{}", source.image)),
         (META_SOURCE, source.handle()),
         (META_CLUSTER, source.cluster_id.clone()),
         (META_GROUP_SNAPSHOT, gid.name.clone()),
-    ]
-    .into_iter()
-    .collect();
-    for (k, v) in &records {
+    ];
+    finish_member(io, metrics, &temp, &target.image, &records)?;
+    Ok(Made::Done)
+}
+
+/// Gives the made image `temp` its owner records and final snapshot, then
+/// its final name, so that name never exists half made.
+fn finish_member(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    temp: &str,
+    image: &str,
+    records: &[(&str, String)],
+) -> Result<(), VolumeError> {
+    let img = timed(metrics, "open", || Image::open(io, temp))?;
+    for (k, v) in records {
         timed(metrics, "metadata_set", || img.metadata_set(k, v))?;
     }
     timed(metrics, "snap_create", || img.snap_create(SNAP_NAME))?;
     timed(metrics, "close", || img.close())?;
-    timed(metrics, "rename", || rbd::rename(io, &temp, &target.image))?;
+    timed(metrics, "rename", || rbd::rename(io, temp, image))?;
     Ok(())
 }
 
@@ -395,16 +436,78 @@ pub fn leave_scaffolding_groups(
     Ok(found)
 }
 
+/// What [`ensure_group_snapshot`] got to.
+#[derive(Debug)]
+pub enum Ensured {
+    /// Every member image exists and the scaffolding is gone.
+    Ready(GroupSnapshotInfo),
+    /// The instant is taken; some members need a data copy (`copies` was
+    /// [`Copies::Defer`]).
+    Copying(PendingCopies),
+}
+
+/// Members of a taken group snapshot still to be copied, and the group
+/// snapshot as it is until they are: those members not ready.
+#[derive(Debug)]
+pub struct PendingCopies {
+    /// The group snapshot as reported meanwhile.
+    pub info: GroupSnapshotInfo,
+    sources: Vec<VolumeId>,
+    copies: Vec<(VolumeId, SnapshotId)>,
+    request_name: String,
+    provisioner: String,
+}
+
+impl PendingCopies {
+    /// The bytes still to copy (the members' sizes).
+    pub fn bytes(&self) -> u64 {
+        let pending = |i: &&SnapshotInfo| self.copies.iter().any(|(_, m)| *m == i.id);
+        self.info
+            .members
+            .iter()
+            .filter(pending)
+            .map(|i| i.size)
+            .sum()
+    }
+
+    /// Copies the members, then removes the scaffolding; returns the
+    /// finished group snapshot. As long as its copies: run it outside any
+    /// request. Killed half-way, a re-run of [`ensure_group_snapshot`]
+    /// redoes the member it was copying.
+    pub fn run(
+        self,
+        cluster: &Cluster,
+        metrics: &dyn CephObserver,
+    ) -> Result<GroupSnapshotInfo, VolumeError> {
+        let gid = self.info.id.clone();
+        let io = ioctx(cluster, metrics, &self.sources[0])?;
+        for (s, m) in &self.copies {
+            let (name, prov) = (&self.request_name, &self.provisioner);
+            make_member(&io, metrics, s, m, &gid, name, prov, Copies::Inline)?;
+        }
+        finish(
+            cluster,
+            metrics,
+            &io,
+            &gid,
+            &self.sources,
+            &self.provisioner,
+        )
+    }
+}
+
 /// Makes sure group snapshot `name` of `sources` (volumes of `provisioner`
 /// in one pool, see [`place_of`]) exists, taking it if needed (see the
-/// module doc), and returns it.
+/// module doc). Members that need a data copy are made in the call, or,
+/// with [`Copies::Defer`], left to [`PendingCopies::run`].
 pub fn ensure_group_snapshot(
     cluster: &Cluster,
     metrics: &dyn CephObserver,
     sources: &[VolumeId],
     name: &str,
     provisioner: &str,
-) -> Result<GroupSnapshotInfo, VolumeError> {
+    copies: Copies,
+) -> Result<Ensured, VolumeError> {
     let gid = place_of(sources, name).map_err(|why| VolumeError::Refused { why })?;
     let io = ioctx(cluster, metrics, &sources[0])?;
     let g = gid.name.clone();
@@ -465,20 +568,75 @@ pub fn ensure_group_snapshot(
                     .map_err(|e| undo_scaffolding(&io, metrics, &gid, e))?;
             }
         }
+        let mut pending = Vec::new();
         for (s, m) in &missing {
-            make_member(&io, metrics, s, m, &gid, name, provisioner)?;
+            let made = make_member(&io, metrics, s, m, &gid, name, provisioner, copies)?;
+            if let Made::NeedsCopy(info) = made {
+                pending.push(((*s).clone(), m.clone(), info));
+            }
+        }
+        if !pending.is_empty() {
+            return pending_copies(cluster, metrics, &gid, sources, pending, name, provisioner);
         }
     }
-    remove_group(&io, metrics, &gid.name)?;
+    finish(cluster, metrics, &io, &gid, sources, provisioner).map(Ensured::Ready)
+}
+
+/// The scaffolding removed once every member exists; the group snapshot.
+fn finish(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    io: &IoCtx,
+    gid: &GroupSnapshotId,
+    sources: &[VolumeId],
+    provisioner: &str,
+) -> Result<GroupSnapshotInfo, VolumeError> {
+    remove_group(io, metrics, &gid.name)?;
     let members = sources
         .iter()
         .map(|s| gid.member(s, SNAP_NAME))
         .collect::<Vec<_>>();
-    get_members(cluster, metrics, &gid, &members, provisioner)?.ok_or_else(|| {
-        VolumeError::Missing {
-            image: gid.to_string(),
-        }
+    get_members(cluster, metrics, gid, &members, provisioner)?.ok_or_else(|| VolumeError::Missing {
+        image: gid.to_string(),
     })
+}
+
+/// The members left to copy, with the group snapshot as reported until
+/// they are: those made as they are, the others not ready.
+fn pending_copies(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    gid: &GroupSnapshotId,
+    sources: &[VolumeId],
+    pending: Vec<(VolumeId, SnapshotId, SnapshotInfo)>,
+    request_name: &str,
+    provisioner: &str,
+) -> Result<Ensured, VolumeError> {
+    let mut members = Vec::new();
+    for s in sources {
+        let m = gid.member(s, SNAP_NAME);
+        match pending.iter().find(|(_, p, _)| *p == m) {
+            Some((_, _, info)) => members.push(info.clone()),
+            None => members.push(
+                snap::get_snapshot(cluster, metrics, &m, provisioner)?.ok_or_else(|| {
+                    VolumeError::Missing {
+                        image: m.to_string(),
+                    }
+                })?,
+            ),
+        }
+    }
+    members.sort_by_key(|i| i.id.handle());
+    Ok(Ensured::Copying(PendingCopies {
+        info: GroupSnapshotInfo {
+            id: gid.clone(),
+            members,
+        },
+        sources: sources.to_vec(),
+        copies: pending.into_iter().map(|(s, m, _)| (s, m)).collect(),
+        request_name: request_name.to_owned(),
+        provisioner: provisioner.to_owned(),
+    }))
 }
 
 fn get_members(
@@ -598,11 +756,59 @@ pub fn delete_group_snapshot(
             });
         }
     }
+    remove_member_temps(&io, metrics, gid)?;
     remove_group(&io, metrics, &gid.name)?;
     for m in &found {
         snap::delete_snapshot(cluster, metrics, m, provisioner)?;
     }
     Ok(())
+}
+
+/// Removes the member images a killed or failed copy left under their
+/// temporary names (they get their owner records only when complete),
+/// named after the sources the RBD group still holds: the group goes only
+/// once every member is complete.
+fn remove_member_temps(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    gid: &GroupSnapshotId,
+) -> Result<(), VolumeError> {
+    let sources = match timed(metrics, "group_image_list", || {
+        rbd::group_image_list(io, &gid.name)
+    }) {
+        Ok(images) => images,
+        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    for s in sources.iter().filter(|i| i.pool_id == io.pool_id()) {
+        let source = VolumeId {
+            cluster_id: gid.cluster_id.clone(),
+            pool: gid.pool.clone(),
+            rados_namespace: gid.rados_namespace.clone(),
+            image: s.name.clone(),
+        };
+        let temp = format!("{}{TEMP_SUFFIX}", gid.member(&source, SNAP_NAME).image);
+        remove_temp(io, metrics, &temp)?;
+    }
+    Ok(())
+}
+
+/// Removes a member's temporary image, if there is one. One a killed
+/// process was copying into keeps that process's watch until the OSDs time
+/// it out (`osd_client_watch_timeout`, 30 s by default): [`VolumeError::Busy`]
+/// meanwhile, which the CO retries.
+fn remove_temp(io: &IoCtx, metrics: &dyn CephObserver, temp: &str) -> Result<(), VolumeError> {
+    match timed(metrics, "remove", || rbd::remove(io, temp)) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+        Err(e) if e.kind() == ErrorKind::Busy => Err(VolumeError::Busy {
+            image: temp.to_owned(),
+            why: format!(
+                "a member image left half made is still open, by a copy that was killed (its watch ends within the OSDs' osd_client_watch_timeout) or that still runs: {e}"
+            ),
+        }),
+        Err(e) => Err(e.into()),
+    }
 }
 
 #[cfg(test)]

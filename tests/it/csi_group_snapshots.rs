@@ -10,6 +10,7 @@ use rbdkit::csi::proto::{
     CreateVolumeRequest, DeleteSnapshotRequest, DeleteVolumeGroupSnapshotRequest,
     DeleteVolumeRequest, GetPluginCapabilitiesRequest, GetSnapshotRequest,
     GetVolumeGroupSnapshotRequest, GroupControllerGetCapabilitiesRequest, VolumeContentSource,
+    VolumeGroupSnapshot,
 };
 use rbdkit::rbd::{self, Image};
 use rbdkit::volume::{GroupSnapshotId, SnapshotId, VolumeId};
@@ -20,6 +21,11 @@ const MIB: i64 = 1 << 20;
 
 /// A volume a group snapshot can take: its class gives exclusive-lock.
 async fn locked_volume(env: &CsiEnv, name: &str) -> String {
+    locked_volume_of(env, name, 8 * MIB).await
+}
+
+/// [`locked_volume`] of `bytes`.
+async fn locked_volume_of(env: &CsiEnv, name: &str, bytes: i64) -> String {
     let mut params = env.params();
     params.insert("imageFeatures".into(), "layering,exclusive-lock".into());
     env.controller()
@@ -27,7 +33,7 @@ async fn locked_volume(env: &CsiEnv, name: &str) -> String {
         .create_volume(CreateVolumeRequest {
             name: name.to_owned(),
             capacity_range: Some(CapacityRange {
-                required_bytes: 8 * MIB,
+                required_bytes: bytes,
                 limit_bytes: 0,
             }),
             volume_capabilities: vec![mount_cap("xfs")],
@@ -41,6 +47,51 @@ async fn locked_volume(env: &CsiEnv, name: &str) -> String {
         .volume
         .unwrap()
         .volume_id
+}
+
+/// CreateVolumeGroupSnapshot called again while it answers not ready, as
+/// csi-snapshotter does; the ready group snapshot. Every answer names the
+/// same group snapshot and members.
+async fn create_until_ready(
+    group: &mut GroupControllerClient<tonic::transport::Channel>,
+    req: CreateVolumeGroupSnapshotRequest,
+) -> VolumeGroupSnapshot {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let mut first: Option<VolumeGroupSnapshot> = None;
+    loop {
+        let gs = match group.create_volume_group_snapshot(req.clone()).await {
+            Ok(r) => r.into_inner().group_snapshot.unwrap(),
+            // Retried, as by the CO (a killed copy's watch, for one).
+            Err(e) if e.code() == Code::Aborted && std::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                continue;
+            }
+            Err(e) => panic!("CreateVolumeGroupSnapshot {}: {e}", req.name),
+        };
+        assert_eq!(gs.snapshots.len(), req.source_volume_ids.len(), "{gs:?}");
+        if let Some(f) = &first {
+            assert_eq!(gs.group_snapshot_id, f.group_snapshot_id);
+            assert_eq!(member_ids(&gs), member_ids(f));
+        }
+        if gs.ready_to_use {
+            assert!(gs.snapshots.iter().all(|s| s.ready_to_use), "{gs:?}");
+            return gs;
+        }
+        first.get_or_insert(gs);
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} not ready in 120 s",
+            req.name
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// A group snapshot's member ids, sorted.
+fn member_ids(g: &VolumeGroupSnapshot) -> Vec<String> {
+    let mut v: Vec<String> = g.snapshots.iter().map(|s| s.snapshot_id.clone()).collect();
+    v.sort();
+    v
 }
 
 fn write(env: &CsiEnv, id: &str, data: &[u8]) {
@@ -94,13 +145,11 @@ async fn group_snapshot_is_one_instant_and_a_member_restores() {
         secrets: env.secrets(),
         parameters: Default::default(),
     };
-    let gs = group
-        .create_volume_group_snapshot(req("groupsnapshot-1", vec![a.clone(), b.clone()]))
-        .await
-        .unwrap()
-        .into_inner()
-        .group_snapshot
-        .unwrap();
+    let gs = create_until_ready(
+        &mut group,
+        req("groupsnapshot-1", vec![a.clone(), b.clone()]),
+    )
+    .await;
     write(&env, &a, b"a after!");
     write(&env, &b, b"b after!");
     assert!(gs.ready_to_use);
@@ -136,19 +185,13 @@ async fn group_snapshot_is_one_instant_and_a_member_restores() {
 
     // A re-run (the CO retrying) gets the same group snapshot, of the
     // first instant.
-    let again = group
-        .create_volume_group_snapshot(req("groupsnapshot-1", vec![b.clone(), a.clone()]))
-        .await
-        .unwrap()
-        .into_inner()
-        .group_snapshot
-        .unwrap();
+    let again = create_until_ready(
+        &mut group,
+        req("groupsnapshot-1", vec![b.clone(), a.clone()]),
+    )
+    .await;
     assert_eq!(again.group_snapshot_id, gs.group_snapshot_id);
-    let ids = |g: &rbdkit::csi::proto::VolumeGroupSnapshot| {
-        let mut v: Vec<String> = g.snapshots.iter().map(|s| s.snapshot_id.clone()).collect();
-        v.sort();
-        v
-    };
+    let ids = member_ids;
     assert_eq!(ids(&again), ids(&gs));
     let got = group
         .get_volume_group_snapshot(GetVolumeGroupSnapshotRequest {
@@ -327,13 +370,7 @@ async fn group_snapshot_create_adopts_what_an_interrupted_run_left() {
         secrets: env.secrets(),
         parameters: Default::default(),
     };
-    let gs = group
-        .create_volume_group_snapshot(req())
-        .await
-        .unwrap()
-        .into_inner()
-        .group_snapshot
-        .unwrap();
+    let gs = create_until_ready(&mut group, req()).await;
     // The re-run used the instant the first run took, not a new one.
     for s in &gs.snapshots {
         let sid = SnapshotId::parse(&s.snapshot_id).unwrap();
@@ -517,13 +554,11 @@ async fn members_agree_on_one_instant_while_both_sources_are_written() {
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
     let before = count.load(Ordering::SeqCst);
-    let gs = group
-        .create_volume_group_snapshot(req("groupsnapshot-instant", vec![a.clone(), b.clone()]))
-        .await
-        .unwrap()
-        .into_inner()
-        .group_snapshot
-        .unwrap();
+    let gs = create_until_ready(
+        &mut group,
+        req("groupsnapshot-instant", vec![a.clone(), b.clone()]),
+    )
+    .await;
     let during = count.load(Ordering::SeqCst);
     while count.load(Ordering::SeqCst) < during + 20 {
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
@@ -553,4 +588,141 @@ async fn members_agree_on_one_instant_while_both_sources_are_written() {
         va >= before,
         "A's member is older than the request: {va} < {before}"
     );
+}
+
+/// A member that needs a data copy (the host's librbd 16 cannot clone from
+/// a group snapshot) is copied outside the call: Create returns once the
+/// instant is taken, its members not ready; Get and the CO's retries are
+/// answered from the copy job, and a Delete meanwhile is ABORTED (it would
+/// pull the group out from under the copy). The retries end ready with the
+/// data of the instant. Killed mid-copy, the restarted controller's retry
+/// redoes the member, and a delete instead removes the half-made one.
+#[tokio::test(flavor = "multi_thread")]
+async fn member_copies_run_outside_the_call_and_survive_a_kill() {
+    let mut env = CsiEnv::new("csi-group-copy", Mode::Controller).await;
+    let mut group = GroupControllerClient::new(support::csi::channel(&env.socket).await);
+    // Sparse and large: its copy reads 4096 objects, seconds of work.
+    let a = locked_volume_of(&env, "pvc-big", 16 << 30).await;
+    let b = locked_volume(&env, "pvc-small").await;
+    write(&env, &a, b"a instant");
+    write(&env, &b, b"b instant");
+    let secrets = env.secrets();
+    let req = |name: &str| CreateVolumeGroupSnapshotRequest {
+        name: name.to_owned(),
+        source_volume_ids: vec![a.clone(), b.clone()],
+        secrets: secrets.clone(),
+        parameters: Default::default(),
+    };
+    let delete = |gs: &VolumeGroupSnapshot| DeleteVolumeGroupSnapshotRequest {
+        group_snapshot_id: gs.group_snapshot_id.clone(),
+        snapshot_ids: Vec::new(),
+        secrets: secrets.clone(),
+    };
+
+    let first = group
+        .create_volume_group_snapshot(req("gs-copy"))
+        .await
+        .unwrap()
+        .into_inner()
+        .group_snapshot
+        .unwrap();
+    assert!(!first.ready_to_use, "{first:?}");
+    assert_eq!(first.snapshots.len(), 2);
+    assert!(first.snapshots.iter().all(|s| !s.ready_to_use), "{first:?}");
+    let e = group.delete_volume_group_snapshot(delete(&first)).await;
+    let e = e.expect_err("a delete while the members are copied");
+    assert_eq!(e.code(), Code::Aborted, "{e}");
+    let got = group
+        .get_volume_group_snapshot(GetVolumeGroupSnapshotRequest {
+            group_snapshot_id: first.group_snapshot_id.clone(),
+            snapshot_ids: member_ids(&first),
+            secrets: env.secrets(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .group_snapshot
+        .unwrap();
+    assert!(!got.ready_to_use, "{got:?}");
+    write(&env, &a, b"a later!!");
+    write(&env, &b, b"b later!!");
+    let gs = create_until_ready(&mut group, req("gs-copy")).await;
+    assert_eq!(member_ids(&gs), member_ids(&first));
+    let io = env.rbd.ioctx.clone();
+    let member_data = |gs: &VolumeGroupSnapshot, source: &str| {
+        let m = gs.snapshots.iter().find(|s| s.source_volume_id == source);
+        let sid = SnapshotId::parse(&m.unwrap().snapshot_id).unwrap();
+        let img = Image::open_read_only(&io, &sid.image).unwrap();
+        let mut buf = [0u8; 9];
+        img.read_exact(MIB as u64, &mut buf).unwrap();
+        buf
+    };
+    assert_eq!(&member_data(&gs, &a), b"a instant");
+    assert_eq!(&member_data(&gs, &b), b"b instant");
+    assert!(rbd::group_list(&io).unwrap().is_empty());
+
+    // Killed while copying, twice: once retried, once deleted.
+    let a_image = VolumeId::parse(&a).unwrap().image;
+    for (name, retry) in [("gs-kill-retry", true), ("gs-kill-delete", false)] {
+        let pending = group
+            .create_volume_group_snapshot(req(name))
+            .await
+            .unwrap()
+            .into_inner()
+            .group_snapshot
+            .unwrap();
+        assert!(!pending.ready_to_use);
+        let temp = format!("{name}-{a_image}.rbdkit-new");
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !rbd::list_names(&io).unwrap().contains(&temp) {
+            assert!(std::time::Instant::now() < deadline, "{temp} never showed");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        env.csi.kill9();
+        let names = rbd::list_names(&io).unwrap();
+        assert!(
+            names.contains(&temp),
+            "the copy ended before the kill: {names:?}"
+        );
+        env.csi.restart();
+        group = GroupControllerClient::new(support::csi::channel(&env.socket).await);
+        if retry {
+            let done = create_until_ready(&mut group, req(name)).await;
+            assert_eq!(member_ids(&done), member_ids(&pending));
+            assert_eq!(&member_data(&done, &a), b"a later!!");
+            group
+                .delete_volume_group_snapshot(delete(&done))
+                .await
+                .unwrap();
+        } else {
+            // ABORTED (retried) until the killed copy's watch is gone.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+            loop {
+                match group.delete_volume_group_snapshot(delete(&pending)).await {
+                    Ok(_) => break,
+                    Err(e) if e.code() == Code::Aborted => {
+                        assert!(std::time::Instant::now() < deadline, "{e}");
+                        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                    }
+                    Err(e) => panic!("DeleteVolumeGroupSnapshot {name}: {e}"),
+                }
+            }
+        }
+        let names = rbd::list_names(&io).unwrap();
+        assert!(
+            !names.iter().any(|n| n.starts_with(name)),
+            "{name} left {names:?}"
+        );
+        assert!(rbd::group_list(&io).unwrap().is_empty());
+    }
+
+    group
+        .delete_volume_group_snapshot(delete(&gs))
+        .await
+        .unwrap();
+    for id in [&a, &b] {
+        env.delete_volume(id).await.unwrap();
+    }
+    let left: Vec<String> = rbd::list_names(&io).unwrap();
+    assert!(left.is_empty(), "left behind: {left:?}");
 }
