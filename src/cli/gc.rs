@@ -1,6 +1,6 @@
 //! `rbdkit gc`: lists (and with `--apply` removes) the images, temporary
 //! images, trash entries and temporary snapshots a provisioner owns that no
-//! PV or claim refers to. The Ceph side is [`crate::volume::gc`]; this is
+//! PV or claim refers to, and the RBD groups group snapshot creates left. The Ceph side is [`crate::volume::gc`]; this is
 //! the Kubernetes side and the report.
 
 use std::collections::BTreeMap;
@@ -77,6 +77,11 @@ pub struct GcArgs {
     /// Bound on connecting, on each Ceph operation and on each API request.
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     pub timeout: Duration,
+    /// How long a group snapshot create's RBD group must have been left
+    /// (since its last attempt wrote its marker) before it is collected: a
+    /// create under way, its copies included, must not lose its group.
+    #[arg(long, default_value = "24h", value_parser = humantime::parse_duration)]
+    pub group_grace: Duration,
     /// Bound on removing one image or trash entry (a later run finishes one
     /// cut short).
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
@@ -334,10 +339,10 @@ pub async fn run_gc(args: GcArgs) -> anyhow::Result<()> {
         scanned.push(json!({"cluster": cluster_id, "pool": pool, "namespace": ns}));
         let work = {
             let (cid, pool, prov) = (cluster_id.clone(), pool.clone(), args.provisioner.clone());
-            let (conn, info) = (conn.clone(), info.clone());
+            let (conn, info, grace) = (conn.clone(), info.clone(), args.group_grace);
             move || -> crate::Result<(Cluster, gc::Scan)> {
                 let c = conn.connect(&info, creds.as_ref())?;
-                let s = gc::scan(&c, &cid, &pool, &info.rados_namespace, &prov)?;
+                let s = gc::scan(&c, &cid, &pool, &info.rados_namespace, &prov, grace)?;
                 Ok((c, s))
             }
         };
@@ -416,13 +421,14 @@ pub async fn run_gc(args: GcArgs) -> anyhow::Result<()> {
                 println!("error  {p}");
             }
             println!(
-                "summary: {} pool(s) scanned; {} to collect ({} orphan, {} temp, {} trash, {} tempsnap); {} removed, {} failed; {} owned and still referenced; {} foreign left alone; {} error(s){}",
+                "summary: {} pool(s) scanned; {} to collect ({} orphan, {} temp, {} trash, {} tempsnap, {} group); {} removed, {} failed; {} owned and still referenced; {} foreign left alone; {} error(s){}",
                 scanned.len(),
                 lines.len(),
                 count(Kind::Orphan),
                 count(Kind::Temp),
                 count(Kind::Trash),
                 count(Kind::TempSnap),
+                count(Kind::Group),
                 removed,
                 failed,
                 referenced,
@@ -464,6 +470,7 @@ pub async fn run_gc(args: GcArgs) -> anyhow::Result<()> {
                         "temp": count(Kind::Temp),
                         "trash": count(Kind::Trash),
                         "tempsnap": count(Kind::TempSnap),
+                        "group": count(Kind::Group),
                         "removed": removed,
                         "failed": failed,
                         "referenced": referenced,

@@ -16,21 +16,27 @@
 //! and it is left alone while the image it was for is still being made (its
 //! temporary image exists) or a claim or PV of that name exists.
 //!
+//! An RBD group that a group snapshot create marked as its scaffolding
+//! (see [`crate::volume::group_snapshot`]) and left, given up, is a
+//! leftover once its marker is older than the grace [`scan`] is given:
+//! every attempt of a create writes its marker anew.
+//!
 //! Nothing here knows about Kubernetes: the caller passes the references it
 //! found (the CLI, `rbdkit gc`, lists PVs and claims).
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::rados::{Cluster, IoCtx};
 use crate::rbd::{self, Image};
+use crate::volume::group_snapshot;
 use crate::volume::ops::{
     VolumeError, META_CLUSTER, META_PROVISIONER, META_PV, META_PVC_NAME, META_PVC_NAMESPACE,
     TEMP_SUFFIX,
 };
 use crate::volume::snapshot::TEMP_SNAP_PREFIX;
-use crate::volume::VolumeId;
+use crate::volume::{NoMetrics, VolumeId};
 use crate::ErrorKind;
 
 /// What kind of leftover an object is.
@@ -46,6 +52,8 @@ pub enum Kind {
     Temp,
     /// A trash entry (a delete cut short, or one blocked by snapshots).
     Trash,
+    /// An RBD group a group snapshot create left (its name in `image`).
+    Group,
 }
 
 impl fmt::Display for Kind {
@@ -55,6 +63,7 @@ impl fmt::Display for Kind {
             Kind::Temp => "temp",
             Kind::Trash => "trash",
             Kind::TempSnap => "tempsnap",
+            Kind::Group => "group",
         })
     }
 }
@@ -160,15 +169,18 @@ fn owner_of(
 
 /// Lists the images and trash entries of `pool` (in the RADOS namespace
 /// `rados_namespace`) and sorts out those whose owner record names
-/// `provisioner`. Uses `rbd_list2`, `rbd_trash_list`, `rbd_open_read_only`,
-/// `rbd_open_by_id_read_only` and `rbd_metadata_list`; each call is bounded
-/// by the connection's operation timeout.
+/// `provisioner`, and the scaffolding groups given up at least
+/// `group_grace` ago. Uses `rbd_list2`, `rbd_trash_list`,
+/// `rbd_open_read_only`, `rbd_open_by_id_read_only`, `rbd_metadata_list`,
+/// `rbd_group_list` and `rados_stat`; each call is bounded by the
+/// connection's operation timeout.
 pub fn scan(
     cluster: &Cluster,
     cluster_id: &str,
     pool: &str,
     rados_namespace: &str,
     provisioner: &str,
+    group_grace: Duration,
 ) -> crate::Result<Scan> {
     let io = cluster.ioctx_ns(pool, rados_namespace)?;
     let at = |image: &str| VolumeId {
@@ -260,6 +272,20 @@ pub fn scan(
             image_id: entry.id,
             pv_name,
             claim,
+            snap: None,
+        });
+    }
+    let groups = group_snapshot::abandoned_groups(&io, &NoMetrics, group_grace);
+    for g in groups.map_err(|e| match e {
+        VolumeError::Ceph(e) => e,
+        other => crate::Error::invalid("rbd_group_list", pool, other.to_string()),
+    })? {
+        out.owned.push(Owned {
+            kind: Kind::Group,
+            volume: at(&g),
+            image_id: String::new(),
+            pv_name: String::new(),
+            claim: String::new(),
             snap: None,
         });
     }
@@ -404,6 +430,12 @@ pub fn remove(
                     Err(blocked(e))
                 }
                 Err(e) => Err(e.into()),
+            }
+        }
+        Kind::Group => {
+            match group_snapshot::remove_abandoned_group(&io, &NoMetrics, &o.volume.image)? {
+                true => Ok(Removed::Removed),
+                false => Ok(Removed::AlreadyGone),
             }
         }
         Kind::Trash => {

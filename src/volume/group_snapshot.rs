@@ -152,8 +152,8 @@ fn member_done(
     })?)
 }
 
-/// The id of source `image`'s part of group snapshot `group`@[`GROUP_SNAP`].
-/// The id and size of `image`'s part of group snapshot `group`.
+/// The id and size of source `image`'s part of group snapshot
+/// `group`@[`GROUP_SNAP`].
 fn group_snap_id(
     io: &IoCtx,
     metrics: &dyn CephObserver,
@@ -272,6 +272,14 @@ fn finish_member(
     records: &[(&str, String)],
 ) -> Result<(), VolumeError> {
     let img = timed(metrics, "open", || Image::open(io, temp))?;
+    // A clone or copy inherits the source's metadata: its owner record
+    // would make the member look like the source's volume (to `rbdkit gc`,
+    // an orphan once the source's PV is gone).
+    for k in timed(metrics, "metadata_list", || img.metadata_list())?.keys() {
+        if k.starts_with("rbdkit.") && !records.iter().any(|(r, _)| r == k) {
+            timed(metrics, "metadata_remove", || img.metadata_remove(k))?;
+        }
+    }
     for (k, v) in records {
         timed(metrics, "metadata_set", || img.metadata_set(k, v))?;
     }
@@ -281,12 +289,18 @@ fn finish_member(
     Ok(())
 }
 
-/// Removes RBD group `g` with its snapshots and memberships, then its
-/// marker, whichever of them are there (a kill between the group's removal
+/// Removes RBD group `g` with its snapshots and memberships (and the
+/// temporary member images named after those), then its marker, whichever
+/// of them are there (a kill between the group's removal
 /// and its marker's leaves the marker alone).
 fn remove_group(io: &IoCtx, metrics: &dyn CephObserver, g: &str) -> Result<(), VolumeError> {
     match timed(metrics, "group_image_list", || rbd::group_image_list(io, g)) {
         Ok(images) => {
+            // What a killed or failed copy left, named after the members.
+            for i in images.iter().filter(|i| i.pool_id == io.pool_id()) {
+                let member = crate::volume::image_base(&format!("{g}-{}", i.name));
+                remove_temp(io, metrics, &format!("{member}{TEMP_SUFFIX}"))?;
+            }
             let snaps = timed(metrics, "group_snap_list", || rbd::group_snap_list(io, g))?;
             for s in snaps {
                 ignore(
@@ -384,11 +398,12 @@ fn undo_scaffolding(
     e
 }
 
-/// Takes `image` out of every RBD group of its pool and namespace that is
-/// rbdkit's group-snapshot scaffolding (marked by a RADOS object `rbdkit.group.<name>`),
-/// removing a group it was the last member of: a create killed or
+/// Removes every RBD group of `image`'s pool and namespace that holds it
+/// and is rbdkit's group-snapshot scaffolding (marked by a RADOS object
+/// `rbdkit.group.<name>`), with the group's snapshot: a create killed or
 /// abandoned half-way can leave a source in one, and librbd refuses to
-/// remove an image in a group (`EMLINK`). Any other group is
+/// remove an image in a group (`EMLINK`), or with a group snapshot's part
+/// (`ENOTEMPTY`). Any other group is
 /// [`VolumeError::NotOwned`], naming it. Returns whether it was in a group
 /// at all.
 pub fn leave_scaffolding_groups(
@@ -420,18 +435,13 @@ pub fn leave_scaffolding_groups(
                 ),
             });
         }
+        // The whole group goes, its snapshot first: that snapshot's part on
+        // each member is an RBD snapshot of the member, which would keep
+        // the image from being purged once out of the group, and without
+        // this source the group snapshot can never be finished anyway.
         tracing::warn!(group = %g, image,
-            "removing an image from the RBD group a failed or interrupted group snapshot left");
-        if members.len() == 1 {
-            remove_group(io, metrics, &g)?;
-        } else {
-            ignore(
-                ErrorKind::NotFound,
-                timed(metrics, "group_image_remove", || {
-                    rbd::group_image_remove(io, &g, io, image)
-                }),
-            )?;
-        }
+            "removing the RBD group a failed or interrupted group snapshot left, to delete one of its sources");
+        remove_group(io, metrics, &g)?;
     }
     Ok(found)
 }
@@ -482,6 +492,10 @@ impl PendingCopies {
         let gid = self.info.id.clone();
         let io = ioctx(cluster, metrics, &self.sources[0])?;
         for (s, m) in &self.copies {
+            // The marker's age tells `rbdkit gc` the create is alive.
+            timed(metrics, "write_full", || {
+                io.write_full(&marker(&gid.name), b"")
+            })?;
             let (name, prov) = (&self.request_name, &self.provisioner);
             make_member(&io, metrics, s, m, &gid, name, prov, Copies::Inline)?;
         }
@@ -494,6 +508,56 @@ impl PendingCopies {
             &self.provisioner,
         )
     }
+}
+
+/// The RBD groups of `io`'s pool and namespace that are rbdkit's
+/// scaffolding (marked) and whose marker is at least `grace` old: creates
+/// given up, since every attempt writes the marker anew. For `rbdkit gc`;
+/// a group whose marker cannot be read is left out.
+pub fn abandoned_groups(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    grace: std::time::Duration,
+) -> Result<Vec<String>, VolumeError> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    let mut out = Vec::new();
+    for g in timed(metrics, "group_list", || rbd::group_list(io))? {
+        let Ok(st) = timed(metrics, "stat", || io.stat(&marker(&g))) else {
+            continue;
+        };
+        let age = now.saturating_sub(u64::try_from(st.mtime).unwrap_or(0));
+        if age >= grace.as_secs() {
+            out.push(g);
+        }
+    }
+    Ok(out)
+}
+
+/// Removes scaffolding group `g` with its snapshots and memberships, then
+/// its marker, if it is still rbdkit's (marked); `false` if it is gone.
+/// Any other group is [`VolumeError::NotOwned`].
+pub fn remove_abandoned_group(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    g: &str,
+) -> Result<bool, VolumeError> {
+    if !is_ours(io, metrics, g)? {
+        let exists = timed(metrics, "group_list", || rbd::group_list(io))?
+            .iter()
+            .any(|x| x == g);
+        if !exists {
+            return Ok(false);
+        }
+        return Err(VolumeError::NotOwned {
+            image: g.to_owned(),
+            why: "it is an RBD group that no rbdkit group snapshot marks".into(),
+        });
+    }
+    remove_group(io, metrics, g)?;
+    Ok(true)
 }
 
 /// Makes sure group snapshot `name` of `sources` (volumes of `provisioner`
@@ -756,39 +820,9 @@ pub fn delete_group_snapshot(
             });
         }
     }
-    remove_member_temps(&io, metrics, gid)?;
     remove_group(&io, metrics, &gid.name)?;
     for m in &found {
         snap::delete_snapshot(cluster, metrics, m, provisioner)?;
-    }
-    Ok(())
-}
-
-/// Removes the member images a killed or failed copy left under their
-/// temporary names (they get their owner records only when complete),
-/// named after the sources the RBD group still holds: the group goes only
-/// once every member is complete.
-fn remove_member_temps(
-    io: &IoCtx,
-    metrics: &dyn CephObserver,
-    gid: &GroupSnapshotId,
-) -> Result<(), VolumeError> {
-    let sources = match timed(metrics, "group_image_list", || {
-        rbd::group_image_list(io, &gid.name)
-    }) {
-        Ok(images) => images,
-        Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e.into()),
-    };
-    for s in sources.iter().filter(|i| i.pool_id == io.pool_id()) {
-        let source = VolumeId {
-            cluster_id: gid.cluster_id.clone(),
-            pool: gid.pool.clone(),
-            rados_namespace: gid.rados_namespace.clone(),
-            image: s.name.clone(),
-        };
-        let temp = format!("{}{TEMP_SUFFIX}", gid.member(&source, SNAP_NAME).image);
-        remove_temp(io, metrics, &temp)?;
     }
     Ok(())
 }

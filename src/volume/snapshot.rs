@@ -1005,6 +1005,16 @@ pub(crate) fn remove_or_trash(
                 watchers: 0,
             })
         }
+        // A group snapshot's part is no snapshot the trash can wait out:
+        // reported as librbd reports a group member (EMLINK), so the caller
+        // undoes the group first.
+        Err(e) if e.kind() == ErrorKind::HasSnapshots && in_group_snapshot(io, metrics, name) => {
+            Err(VolumeError::Ceph(crate::Error::from_errno(
+                libc::EMLINK,
+                "rbd_remove",
+                object,
+            )))
+        }
         Err(e) if matches!(e.kind(), ErrorKind::HasSnapshots | ErrorKind::Busy) => {
             fenced(fence, "rbd_trash_move", object)?;
             timed(metrics, "trash_move", || {
@@ -1014,6 +1024,21 @@ pub(crate) fn remove_or_trash(
         }
         Err(e) => Err(e.into()),
     }
+}
+
+/// Whether image `name` has a snapshot in the group namespace (its part of
+/// an RBD group snapshot).
+fn in_group_snapshot(io: &IoCtx, metrics: &dyn CephObserver, name: &str) -> bool {
+    let Ok(img) = timed(metrics, "open", || Image::open_read_only(io, name)) else {
+        return false;
+    };
+    let snaps = timed(metrics, "snap_list", || img.snap_list()).unwrap_or_default();
+    snaps.iter().any(|s| {
+        timed(metrics, "snap_namespace_type", || {
+            img.snap_namespace_type(s.id)
+        })
+        .is_ok_and(|t| t == crate::rbd::SnapNamespaceType::Group)
+    })
 }
 
 /// Purges trashed image `id` (checked to be ours by the caller) unless it

@@ -12,8 +12,14 @@ use rbdkit::csi::proto::{
     GetVolumeGroupSnapshotRequest, GroupControllerGetCapabilitiesRequest, VolumeContentSource,
     VolumeGroupSnapshot,
 };
-use rbdkit::rbd::{self, Image};
+use rbdkit::rbd::{self, Image, SnapNamespaceType};
+use rbdkit::volume::gc;
+use rbdkit::volume::group_snapshot::META_GROUP_SNAPSHOT;
+use rbdkit::volume::ops::{META_CLUSTER, META_PROVISIONER, META_PV};
+use rbdkit::volume::snapshot::{KIND_SNAPSHOT, META_KIND, META_SNAPSHOT, META_SOURCE, SNAP_NAME};
 use rbdkit::volume::{GroupSnapshotId, SnapshotId, VolumeId};
+use std::time::Duration;
+use support::ceph::POOL;
 use support::csi::{mount_cap, CsiEnv, Mode};
 use tonic::Code;
 
@@ -659,6 +665,17 @@ async fn member_copies_run_outside_the_call_and_survive_a_kill() {
     };
     assert_eq!(&member_data(&gs, &a), b"a instant");
     assert_eq!(&member_data(&gs, &b), b"b instant");
+    // A member carries its own records, none of its source's: gc would
+    // take one with the source's PV record for that volume's orphan.
+    for m in &gs.snapshots {
+        let sid = SnapshotId::parse(&m.snapshot_id).unwrap();
+        let meta = Image::open_read_only(&io, &sid.image)
+            .unwrap()
+            .metadata_list()
+            .unwrap();
+        assert!(!meta.contains_key(META_PV), "{}: {meta:?}", sid.image);
+        assert_eq!(meta.get(META_SOURCE), Some(&m.source_volume_id));
+    }
     assert!(rbd::group_list(&io).unwrap().is_empty());
 
     // Killed while copying, twice: once retried, once deleted.
@@ -725,4 +742,253 @@ async fn member_copies_run_outside_the_call_and_survive_a_kill() {
     }
     let left: Vec<String> = rbd::list_names(&io).unwrap();
     assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// The steps of a group snapshot create, in order: what a kill after each
+/// leaves in Ceph is built by [`leave_after`].
+const STEPS: &[&str] = &[
+    "marker written",
+    "group made",
+    "A added",
+    "B added",
+    "group snapshot taken",
+    "A's member begun",
+    "A's member made",
+    "B's member begun",
+    "B's member made",
+    "group snapshot removed",
+    "A taken out",
+    "B taken out",
+    "group removed",
+];
+
+/// Builds what a create of group snapshot `name` of `a` and `b`, killed
+/// right after step `k` of [`STEPS`] (1-based), leaves in Ceph, doing each
+/// step as the create does.
+fn leave_after(env: &CsiEnv, name: &str, k: usize, a: &VolumeId, b: &VolumeId) {
+    let io = &env.rbd.ioctx;
+    let member = |s: &VolumeId| format!("{name}-{}", s.image);
+    let begun = |s: &VolumeId| {
+        let temp = format!("{}.rbdkit-new", member(s));
+        rbd::create(io, &temp, MIB as u64, &Default::default()).unwrap();
+    };
+    let made = |s: &VolumeId| {
+        let temp = format!("{}.rbdkit-new", member(s));
+        let _ = rbd::remove(io, &temp);
+        let mut src = Image::open_read_only(io, &s.image).unwrap();
+        let snaps = src.snap_list().unwrap();
+        let in_group = |id: u64| src.snap_namespace_type(id).unwrap() == SnapNamespaceType::Group;
+        let id = snaps.iter().find(|x| in_group(x.id)).unwrap().id;
+        src.set_snapshot_by_id(id).unwrap();
+        src.copy_to(io, &temp, &Default::default()).unwrap();
+        let img = Image::open(io, &temp).unwrap();
+        for key in img.metadata_list().unwrap().keys() {
+            img.metadata_remove(key).unwrap();
+        }
+        for (key, value) in [
+            (META_PROVISIONER, "rbd.rbdkit.io".to_owned()),
+            (META_KIND, KIND_SNAPSHOT.to_owned()),
+            (META_SNAPSHOT, format!("{name}/{}", s.image)),
+            (META_SOURCE, s.handle()),
+            (META_CLUSTER, s.cluster_id.clone()),
+            (META_GROUP_SNAPSHOT, name.to_owned()),
+        ] {
+            img.metadata_set(key, &value).unwrap();
+        }
+        img.snap_create(SNAP_NAME).unwrap();
+        img.close().unwrap();
+        rbd::rename(io, &temp, &member(s)).unwrap();
+    };
+    let marker = format!("rbdkit.group.{name}");
+    for step in 1..=k {
+        match step {
+            1 => io.write_full(&marker, b"").unwrap(),
+            2 => rbd::group_create(io, name).unwrap(),
+            3 => rbd::group_image_add(io, name, io, &a.image).unwrap(),
+            4 => rbd::group_image_add(io, name, io, &b.image).unwrap(),
+            5 => rbd::group_snap_create(io, name, "rbdkit").unwrap(),
+            6 => begun(a),
+            7 => made(a),
+            8 => begun(b),
+            9 => made(b),
+            10 => rbd::group_snap_remove(io, name, "rbdkit").unwrap(),
+            11 => rbd::group_image_remove(io, name, io, &a.image).unwrap(),
+            12 => rbd::group_image_remove(io, name, io, &b.image).unwrap(),
+            13 => rbd::group_remove(io, name).unwrap(),
+            _ => unreachable!(),
+        }
+    }
+}
+
+/// What `rbdkit gc` does in Ceph, with no grace: it finds a group a given-up
+/// create `name` left, if any, removes it, and finds nothing after.
+fn collect_groups(env: &CsiEnv, name: &str, what: &str) {
+    let c = support::ceph::cluster();
+    let ns = &env.rbd.name;
+    let scan = || {
+        gc::scan(
+            &c,
+            &env.cluster_id,
+            POOL,
+            ns,
+            "rbd.rbdkit.io",
+            Duration::ZERO,
+        )
+        .unwrap_or_else(|e| panic!("{what}: gc scan: {e}"))
+        .owned
+    };
+    let groups_before = rbd::group_list(&env.rbd.ioctx).unwrap();
+    let found = scan();
+    let kinds: Vec<(gc::Kind, &str)> = found
+        .iter()
+        .map(|o| (o.kind, o.volume.image.as_str()))
+        .collect();
+    let want: Vec<(gc::Kind, &str)> = groups_before
+        .iter()
+        .map(|g| (gc::Kind::Group, g.as_str()))
+        .collect();
+    assert_eq!(kinds, want, "{what}: gc found");
+    assert!(groups_before.iter().all(|g| g == name), "{what}");
+    for o in &found {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let r = gc::remove(&c, o, "rbd.rbdkit.io", deadline);
+        assert_eq!(r.unwrap(), gc::Removed::Removed, "{what}");
+    }
+    assert!(scan().is_empty(), "{what}: gc found more");
+}
+
+/// A create killed after each of its steps, then (1) retried, (2) its
+/// group snapshot deleted instead, or (3) given up, its sources deleted:
+/// each way, no group or marker is left, and every source can be deleted.
+/// A retry after the instant was taken keeps that instant.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_create_killed_after_any_step_is_finished_undone_or_let_go() {
+    let env = CsiEnv::new("csi-group-steps", Mode::Controller).await;
+    let mut group = GroupControllerClient::new(support::csi::channel(&env.socket).await);
+    let io = env.rbd.ioctx.clone();
+    let mut n = 0;
+    let mut kept = std::collections::BTreeSet::new();
+    for k in 1..=STEPS.len() {
+        for way in ["retried", "deleted", "given up"] {
+            n += 1;
+            let what = format!("killed after {:?}, {way}", STEPS[k - 1]);
+            let a = locked_volume(&env, &format!("pvc-s{n}a")).await;
+            let b = locked_volume(&env, &format!("pvc-s{n}b")).await;
+            let (va, vb) = (VolumeId::parse(&a).unwrap(), VolumeId::parse(&b).unwrap());
+            write(&env, &a, b"a instant");
+            write(&env, &b, b"b instant");
+            let name = format!("gs-step-{n}");
+            leave_after(&env, &name, k, &va, &vb);
+            write(&env, &a, b"a later!!");
+            write(&env, &b, b"b later!!");
+            let req = CreateVolumeGroupSnapshotRequest {
+                name: name.clone(),
+                source_volume_ids: vec![a.clone(), b.clone()],
+                secrets: env.secrets(),
+                parameters: Default::default(),
+            };
+            let gid = GroupSnapshotId {
+                cluster_id: va.cluster_id.clone(),
+                pool: va.pool.clone(),
+                rados_namespace: va.rados_namespace.clone(),
+                name: name.clone(),
+            };
+            match way {
+                "retried" => {
+                    let gs = create_until_ready(&mut group, req).await;
+                    assert_eq!(gs.group_snapshot_id, gid.handle(), "{what}");
+                    // After the instant was taken the retry keeps it.
+                    let want: [&[u8]; 2] = if k >= 5 {
+                        [b"a instant", b"b instant"]
+                    } else {
+                        [b"a later!!", b"b later!!"]
+                    };
+                    for (source, want) in [(&a, want[0]), (&b, want[1])] {
+                        let m = gs.snapshots.iter().find(|s| s.source_volume_id == *source);
+                        let sid = SnapshotId::parse(&m.unwrap().snapshot_id).unwrap();
+                        let img = Image::open_read_only(&io, &sid.image).unwrap();
+                        let mut buf = [0u8; 9];
+                        img.read_exact(MIB as u64, &mut buf).unwrap();
+                        assert_eq!(&buf[..], want, "{what}");
+                    }
+                    group
+                        .delete_volume_group_snapshot(DeleteVolumeGroupSnapshotRequest {
+                            group_snapshot_id: gs.group_snapshot_id.clone(),
+                            snapshot_ids: member_ids(&gs),
+                            secrets: env.secrets(),
+                        })
+                        .await
+                        .unwrap_or_else(|e| panic!("{what}: delete: {e}"));
+                }
+                "deleted" => {
+                    group
+                        .delete_volume_group_snapshot(DeleteVolumeGroupSnapshotRequest {
+                            group_snapshot_id: gid.handle(),
+                            snapshot_ids: Vec::new(),
+                            secrets: env.secrets(),
+                        })
+                        .await
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                }
+                _ => {}
+            }
+            for id in [&a, &b] {
+                env.delete_volume(id)
+                    .await
+                    .unwrap_or_else(|e| panic!("{what}: DeleteVolume {id}: {e}"));
+            }
+            if way == "given up" {
+                collect_groups(&env, &name, &what);
+            }
+            assert!(rbd::group_list(&io).unwrap().is_empty(), "{what}");
+            // A create given up right after writing its marker, or right
+            // before removing it, leaves that empty object alone (no group
+            // names it for gc to find); a retry or a delete of the name
+            // removes it.
+            let marker = format!("rbdkit.group.{name}");
+            if (k == 1 || k == STEPS.len()) && way == "given up" {
+                assert_eq!(io.stat(&marker).unwrap().size, 0, "{what}");
+                io.remove(&marker).unwrap();
+            }
+            assert!(io.stat(&marker).is_err(), "{what}: marker left");
+            // What is left are members (snapshots, the provisioner's to
+            // delete) made before a create was given up; nothing else.
+            let left: Vec<String> = rbd::list_names(&io)
+                .unwrap()
+                .into_iter()
+                .filter(|i| !kept.contains(i))
+                .collect();
+            for i in left {
+                let member = i.starts_with(&format!("{name}-")) && !i.ends_with(".rbdkit-new");
+                assert!(way == "given up" && member, "{what}: left {i}");
+                kept.insert(i);
+            }
+        }
+    }
+    // Members of given-up creates are ordinary snapshots: they delete.
+    let place = VolumeId::parse(
+        &env.create_volume("pvc-place", 8 * MIB, mount_cap("xfs"))
+            .await,
+    )
+    .unwrap();
+    env.delete_volume(&place.handle()).await.unwrap();
+    assert_eq!(rbd::list_names(&io).unwrap().len(), kept.len());
+    for image in kept {
+        let member = SnapshotId {
+            cluster_id: place.cluster_id.clone(),
+            pool: place.pool.clone(),
+            rados_namespace: place.rados_namespace.clone(),
+            image: image.clone(),
+            snap: SNAP_NAME.to_owned(),
+        };
+        env.controller()
+            .await
+            .delete_snapshot(DeleteSnapshotRequest {
+                snapshot_id: member.handle(),
+                secrets: env.secrets(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("member {image}: {e}"));
+    }
+    assert!(rbd::list_names(&io).unwrap().is_empty());
 }

@@ -371,4 +371,29 @@ async fn gc_lists_and_removes_exactly_the_provisioners_leftovers() {
     kept_images.remove(&in_flight);
     assert_eq!(pool_state(&env).0, kept_images);
     assert_eq!(snaps(&bound[1]), BTreeSet::new());
+
+    // 4. The RBD group a group snapshot create left, given up (marked, a
+    // source still in it): collected once its marker is older than
+    // --group-grace (a day by default, so not yet); another's group never.
+    let io = &env.rbd.ioctx;
+    io.write_full("rbdkit.group.gs-left", b"").unwrap();
+    rbd::group_create(io, "gs-left").unwrap();
+    rbd::group_image_add(io, "gs-left", io, &bound[0]).unwrap();
+    rbd::group_create(io, "user-group").unwrap();
+    let (report, _, _) = gc(&env, &["--apply", "--output", "json"]);
+    assert_eq!(objects(&report), BTreeSet::new(), "{report:#}");
+    let grace = ["--group-grace", "0s", "--output", "json"];
+    let (report, _, _) = gc(&env, &grace);
+    let group = |action: &str| {
+        let o = ("group".to_owned(), "gs-left".to_owned(), action.to_owned());
+        BTreeSet::from([o])
+    };
+    assert_eq!(objects(&report), group("would remove"), "{report:#}");
+    assert_eq!(report["summary"]["group"], json!(1), "{report:#}");
+    let (report, _, _) = gc(&env, &[&grace[..], &["--apply"]].concat());
+    assert_eq!(objects(&report), group("removed"), "{report:#}");
+    assert_eq!(rbd::group_list(io).unwrap(), vec!["user-group"]);
+    assert!(io.stat("rbdkit.group.gs-left").is_err(), "marker left");
+    assert_eq!(pool_state(&env).0, kept_images);
+    rbd::group_remove(io, "user-group").unwrap();
 }
