@@ -73,10 +73,11 @@
 //! the option:
 //! - `queue_depth=N`: the loop device's `nr_requests` (4 to the loop
 //!   driver's `hw_queue_depth`, 128 by default). The default is
-//!   [`VOLUME_QUEUE_DEPTH`] (64): half of the FUSE connection's budget of
-//!   requests in flight, which all volumes of the mapper share, so that
-//!   one volume whose pool stalls cannot take all of it and stall the
-//!   others. A higher one lets one volume take more, at that risk.
+//!   [`VOLUME_QUEUE_DEPTH`] (32): an eighth of the FUSE connection's
+//!   budget of requests in flight (256), which all volumes of the mapper
+//!   share, so that volumes whose pools stall (up to seven at once) cannot
+//!   take all of it and stall the others. A higher one lets one volume
+//!   take more, at that risk.
 //! - `block_size=N`: the loop device's logical block size (512, 1024, 2048
 //!   or 4096; default 512, as krbd's, so an XFS with 512-byte sectors or an
 //!   ext4 with 1 KiB blocks made on a krbd device mounts here too).
@@ -188,10 +189,10 @@ enum ValueKind {
     OneOf(&'static [&'static str]),
 }
 
-/// The default `queue_depth` of a mapping: half of the FUSE connection's
-/// `max_background`, so one stalled volume leaves the other half to the
-/// rest (see the module docs).
-pub const VOLUME_QUEUE_DEPTH: u32 = crate::node::fuse_kernel::MAX_BACKGROUND as u32 / 2;
+/// The default `queue_depth` of a mapping: an eighth of the FUSE
+/// connection's `max_background`, so seven volumes stalled at once leave
+/// the last eighth to the rest (see the module docs).
+pub const VOLUME_QUEUE_DEPTH: u32 = crate::node::fuse_kernel::MAX_BACKGROUND as u32 / 8;
 
 /// The loop driver's tag-set depth (`hw_queue_depth` module parameter):
 /// the most `nr_requests` a loop device takes.

@@ -33,8 +33,10 @@ const KERNEL_MINOR_VERSION: u32 = 40;
 
 /// `max_background` in `fuse_init_out`: the kernel's budget of background
 /// requests (asynchronous direct I/O, readahead) in flight on the
-/// connection, which every volume of the mapper shares.
-pub const MAX_BACKGROUND: u16 = 128;
+/// connection, which every volume of the mapper shares. Eight volumes'
+/// default queue depths ([`crate::node::fuse::VOLUME_QUEUE_DEPTH`]): seven
+/// volumes stalled at once leave an eighth of it to the others.
+pub const MAX_BACKGROUND: u16 = 256;
 
 /// Largest WRITE payload we accept: 1 MiB.
 pub const MAX_WRITE: u32 = 1 << 20;

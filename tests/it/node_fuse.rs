@@ -954,7 +954,7 @@ fn map_options_set_up_the_device_and_librbd() {
         ],
         "{st:?}"
     );
-    // Without options: half of the connection's budget as the queue depth,
+    // Without options: an eighth of the connection's budget as the queue depth,
     // librbd's defaults, and 512-byte sectors as krbd's, still with direct
     // I/O on the file.
     let plain = d.mapper().map(&spec(&ns, "vol-plain", "plain")).unwrap();
@@ -1937,29 +1937,33 @@ fn a_restarted_worker_reopens_a_healthy_volume_without_waiting_for_a_dead_cluste
     d.mapper().unmap("vol-a-dead", &["force".into()]).unwrap();
 }
 
-/// One volume whose pool stalls (its placement groups inactive) with 256
-/// direct writes in flight leaves another volume of the same mapper alone:
-/// a 4 KiB write and fsync there completes while every stalled write still
-/// waits.
+/// Seven volumes whose pool stalls (its placement groups inactive), with
+/// 40 direct writes in flight to each, leave another volume of the same
+/// mapper alone: a 4 KiB write and fsync there completes while every
+/// stalled write still waits. (Each volume's device takes an eighth of the
+/// FUSE connection's budget; before, one took half and two took all.)
 #[test]
-fn a_stalled_pool_holds_up_no_other_volume() {
+fn stalled_pools_hold_up_no_other_volume() {
+    const SICK: u64 = 7;
     let ns = TestNs::new("fuse-stall");
     let tmp = tempdir("stall");
     let d = Daemon::start_with(tmp.path(), &["--timeout", "60s"]);
     rbd::create(&ns.ioctx, "ok", 16 * MIB, &ImageOptions::new()).unwrap();
     let other = support::ceph::PrivateCluster::start("stall");
     let admin = other.connect();
-    rbd::create(
-        &admin.ioctx(POOL).unwrap(),
-        "sick",
-        64 * MIB,
-        &ImageOptions::new(),
-    )
-    .unwrap();
-    let sick_dev = d
-        .mapper()
-        .map(&private_spec(&other, "vol-sick", "sick"))
+    let mut sick_devs = Vec::new();
+    for v in 0..SICK {
+        let image = format!("sick{v}");
+        rbd::create(
+            &admin.ioctx(POOL).unwrap(),
+            &image,
+            64 * MIB,
+            &ImageOptions::new(),
+        )
         .unwrap();
+        let vol = format!("vol-sick{v}");
+        sick_devs.push(d.mapper().map(&private_spec(&other, &vol, &image)).unwrap());
+    }
     let ok_dev = d.mapper().map(&spec(&ns, "vol-ok", "ok")).unwrap();
     let pool_set = |var: &str, val: &str| {
         let cmd =
@@ -1984,14 +1988,15 @@ fn a_stalled_pool_holds_up_no_other_volume() {
         std::thread::sleep(Duration::from_millis(500));
     }
     let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let writers: Vec<_> = (0..256u64)
+    let writers: Vec<_> = (0..SICK * 40)
         .map(|i| {
-            let (dev, done) = (sick_dev.clone(), std::sync::Arc::clone(&done));
+            let dev = sick_devs[(i % SICK) as usize].clone();
+            let done = std::sync::Arc::clone(&done);
             std::thread::spawn(move || {
                 let f = open_direct(&dev, true);
                 let mut a = Aligned::new(4096);
                 a.get().copy_from_slice(&pattern(i, 4096));
-                let r = f.write_all_at(a.get(), i * 65536);
+                let r = f.write_all_at(a.get(), i / SICK * 65536);
                 done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 r
             })
@@ -2019,5 +2024,7 @@ fn a_stalled_pool_holds_up_no_other_volume() {
         "the healthy volume's write waited for the stalled pool ({took:?})"
     );
     d.mapper().unmap("vol-ok", &[]).unwrap();
-    d.mapper().unmap("vol-sick", &[]).unwrap();
+    for v in 0..SICK {
+        d.mapper().unmap(&format!("vol-sick{v}"), &[]).unwrap();
+    }
 }
