@@ -10,7 +10,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tonic::{Request, Response, Status};
 
-use crate::csi::driver::{required, volume_id, volume_status, Driver};
+use crate::csi::driver::{required, volume_id, volume_status, Driver, InFlight};
 use crate::csi::proto::{
     controller_server::Controller, controller_service_capability, list_volumes_response,
     validate_volume_capabilities_response, volume_capability, CapacityRange,
@@ -39,6 +39,7 @@ use crate::volume::params::{
     check_access, ClassParams, SnapshotParams, CLUSTER_ID, POOL, PVC_NAMESPACE_META, PVC_NAME_META,
     VOLUMESNAPSHOTCONTENT_NAME_META,
 };
+use crate::volume::qos;
 use crate::volume::quantity::{round_up_mib, MIB};
 use crate::volume::snapshot::{
     self as snap, CloneOptions, Flatten, SnapshotFilter, SnapshotInfo, SnapshotOwner, META_KIND,
@@ -434,6 +435,12 @@ impl Controller for ControllerService {
         // ReadOnlyMany is fine for a restore or a clone: it has content.
         check_caps(&req.volume_capabilities, source.is_none())?;
         let (raw, params) = class_params(&req.parameters, "StorageClass", ClassParams::parse_csi)?;
+        // The VolumeAttributesClass's parameters take precedence over the
+        // StorageClass's (the spec's rule for mutable_parameters).
+        let qos_policy = params.qos.merged(&mutable_policy(&req.mutable_parameters)?);
+        qos_policy.check().map_err(|e| {
+            Status::invalid_argument(format!("QoS parameter {:?}: {}", e.param, e.why))
+        })?;
         let (mut size, required_bytes, limit) = size_for(req.capacity_range.as_ref())?;
         if source.is_some() && required_bytes == 0 {
             // The source's size (a larger limit only caps it).
@@ -498,6 +505,12 @@ impl Controller for ControllerService {
             }
         };
         self.driver.saw_pool(&vol);
+        // A clone starts from its own request, not from the limits it
+        // inherited with its source's metadata.
+        if !qos_policy.is_empty() || req.volume_content_source.is_some() {
+            self.apply_qos(&busy, &conn, &vol, &name, qos_policy, qos::Mode::Replace)
+                .await?;
+        }
         let compatible = created >= required_bytes.max(1) && (limit == 0 || created <= limit);
         if !compatible {
             return Err(Status::already_exists(format!(
@@ -589,12 +602,14 @@ impl Controller for ControllerService {
             })
             .await
             .map_err(|e| volume_status(&e))?;
-        let confirmed = match check_caps(&req.volume_capabilities, false) {
+        let checked = check_caps(&req.volume_capabilities, false)
+            .and_then(|()| mutable_policy(&req.mutable_parameters).map(drop));
+        let confirmed = match checked {
             Ok(()) => Some(validate_volume_capabilities_response::Confirmed {
                 volume_context: req.volume_context.clone(),
                 volume_capabilities: req.volume_capabilities.clone(),
                 parameters: req.parameters.clone(),
-                mutable_parameters: HashMap::new(),
+                mutable_parameters: req.mutable_parameters.clone(),
             }),
             Err(s) => {
                 return Ok(Response::new(ValidateVolumeCapabilitiesResponse {
@@ -714,6 +729,7 @@ impl Controller for ControllerService {
             T::GetSnapshot,
             T::GetVolumeHealth,
             T::ListVolumeHealth,
+            T::ModifyVolume,
         ]
         .into_iter()
         .map(|t| ControllerServiceCapability {
@@ -1054,11 +1070,73 @@ impl Controller for ControllerService {
 
     async fn controller_modify_volume(
         &self,
-        _req: Request<ControllerModifyVolumeRequest>,
+        req: Request<ControllerModifyVolumeRequest>,
     ) -> Result<Response<ControllerModifyVolumeResponse>, Status> {
-        Err(Status::unimplemented(
-            "ControllerModifyVolume is not supported",
+        let req = req.into_inner();
+        let vol = volume_id(&req.volume_id)?;
+        let policy = mutable_policy(&req.mutable_parameters)?;
+        if self.driver.clusters.get(&vol.cluster_id).is_none() {
+            return Err(Status::not_found(format!(
+                "no such volume: cluster {:?} is not in the clusters config",
+                vol.cluster_id
+            )));
+        }
+        let busy = self.driver.begin(&req.volume_id)?;
+        let conn = self.driver.connect(&vol.cluster_id, &req.secrets).await?;
+        let (v, name) = (vol.clone(), self.driver.name.clone());
+        let found = self
+            .driver
+            .ceph_holding(&busy, &conn, move |c, m| {
+                ops::recorded_pv_name(c, m, &v, &name)
+            })
+            .await;
+        let pv = match found {
+            Ok(Some(pv)) => pv,
+            Ok(None) => return Err(Status::not_found(format!("no such volume: {vol}"))),
+            Err(VolumeError::Ceph(e)) if e.is_not_found() => {
+                return Err(Status::not_found(format!("no such volume: {vol}")))
+            }
+            Err(e) => return Err(volume_status(&e)),
+        };
+        let limits = self
+            .apply_qos(&busy, &conn, &vol, &pv, policy, qos::Mode::Update)
+            .await?;
+        tracing::info!(volume = %vol, limits = %limits, "ControllerModifyVolume done");
+        Ok(Response::new(ControllerModifyVolumeResponse {}))
+    }
+}
+
+/// A request's `mutable_parameters` as a QoS policy: INVALID_ARGUMENT
+/// naming an unknown or immutable parameter (which the CO reports as an
+/// Infeasible modification).
+fn mutable_policy(params: &HashMap<String, String>) -> Result<qos::Policy, Status> {
+    let raw: BTreeMap<String, String> = params.clone().into_iter().collect();
+    qos::Policy::from_mutable(&raw).map_err(|e| {
+        Status::invalid_argument(format!(
+            "mutable parameter (VolumeAttributesClass parameter) {:?}: {}",
+            e.param, e.why
         ))
+    })
+}
+
+impl ControllerService {
+    /// Applies a QoS policy to the volume `vol` of PV `pv_name`.
+    async fn apply_qos(
+        &self,
+        busy: &InFlight,
+        conn: &crate::volume::clusters::Conn,
+        vol: &VolumeId,
+        pv_name: &str,
+        policy: qos::Policy,
+        mode: qos::Mode,
+    ) -> Result<qos::Limits, Status> {
+        let (v, name, pv) = (vol.clone(), self.driver.name.clone(), pv_name.to_owned());
+        self.driver
+            .ceph_holding(busy, conn, move |c, m| {
+                qos::apply_to_volume(c, m, &CO_SERIALISED, &v, &name, &pv, &policy, mode)
+            })
+            .await
+            .map_err(|e| volume_status(&e))
     }
 }
 

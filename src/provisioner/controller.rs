@@ -34,6 +34,7 @@ use crate::k8s::backoff::{before_work, FailureCounts, RateLimiter};
 use crate::k8s::compact::{Compact, PvDigest};
 use crate::k8s::events::Events;
 use crate::provisioner::metrics::Metrics;
+use crate::provisioner::modify::NewVolume;
 use crate::provisioner::pv::{
     build_pv, claim_access_modes, claim_volume_mode, deletion_secret, expand_secret, our_volume,
     pv_name_for, PvInput, PV_FINALIZER,
@@ -45,6 +46,7 @@ use crate::volume::clusters::{ClustersFile, Conn, Connections};
 use crate::volume::legacy;
 use crate::volume::ops::{self, Deleted, Owner, VolumeError};
 use crate::volume::params::{check_access, ClassParams, SecretRef, TemplateContext};
+use crate::volume::qos;
 use crate::volume::quantity::{bytes_quantity, parse_bytes, parse_whole_bytes, round_up_mib, MIB};
 use crate::volume::snapshot::{self as snap, CloneOptions, Flatten};
 use crate::volume::{Fence, VolumeId};
@@ -755,14 +757,14 @@ async fn claim_inner(
 /// event, or (`quiet`) only logged.
 struct Failure {
     why: String,
-    /// Waiting for something not ready yet (a Normal event, not a
-    /// failure).
-    wait: bool,
+    /// Waiting for something not ready yet: the reason of a Normal event
+    /// (not a failure).
+    wait: Option<&'static str>,
 }
 
 impl From<String> for Failure {
     fn from(why: String) -> Self {
-        Failure { why, wait: false }
+        Failure { why, wait: None }
     }
 }
 
@@ -787,7 +789,10 @@ impl From<crate::volume::params::ParamError> for Failure {
 impl From<Unresolved> for Failure {
     fn from(u: Unresolved) -> Self {
         match u {
-            Unresolved::Wait(why) => Failure { why, wait: true },
+            Unresolved::Wait(why) => Failure {
+                why,
+                wait: Some("WaitingForDataSource"),
+            },
             Unresolved::Refused(why) => why.into(),
         }
     }
@@ -864,11 +869,12 @@ async fn provision(claim: &PersistentVolumeClaim, ctx: &Context) -> Result<Actio
             }
             Ok(Action::await_change())
         }
-        Err(f) if f.wait => {
-            ctx.events
-                .normal(&claim_ref(claim), "WaitingForDataSource", &f.why)
-                .await;
-            Err(ReconcileError(f.why))
+        Err(Failure {
+            why,
+            wait: Some(reason),
+        }) => {
+            ctx.events.normal(&claim_ref(claim), reason, &why).await;
+            Err(ReconcileError(why))
         }
         Err(f) => {
             ctx.metrics.provision_failed(&class_name);
@@ -901,6 +907,16 @@ async fn provision_steps(
     }
     check_access(&modes, &claim_volume_mode(claim))?;
     check_unsupported(claim)?;
+    let (vac, qos_policy) =
+        match crate::provisioner::modify::new_volume_policy(ctx, claim, &params.qos).await? {
+            NewVolume::Ready(vac, policy) => (vac, policy),
+            NewVolume::Missing(why) => {
+                return Err(Failure {
+                    why,
+                    wait: Some("WaitingForVolumeAttributesClass"),
+                })
+            }
+        };
     let requested = storage_request(claim)?;
     let size = round_up_mib(requested.max(1)).max(MIB);
     if let Some(limit) = storage_limit(claim) {
@@ -1051,6 +1067,16 @@ async fn provision_steps(
             cloned.size
         }
     };
+    // A clone starts from its own classes, not from the limits it
+    // inherited with its source's metadata.
+    if !qos_policy.is_empty() || data_source.is_some() {
+        let (v, name, pv) = (vol.clone(), ctx.name.clone(), pv_name.to_owned());
+        ctx.ceph(&conn, move |c, m, f| {
+            qos::apply_to_volume(c, m, f, &v, &name, &pv, &qos_policy, qos::Mode::Replace)
+        })
+        .await
+        .map_err(|e| format!("cannot set the QoS of image {vol}: {e}"))?;
+    }
     drop(conn);
     if created < size {
         return Err(format!(
@@ -1072,6 +1098,7 @@ async fn provision_steps(
         node_stage_secret: node_secret.as_ref(),
     });
     let mut pv = pv;
+    crate::provisioner::modify::annotate_pv(&mut pv, vac.as_deref());
     if flatten_later {
         pv.annotations_mut()
             .insert(PV_FLATTEN_ANNOTATION.to_owned(), "true".to_owned());

@@ -24,6 +24,7 @@
 pub mod controller;
 pub mod maintenance;
 pub mod metrics;
+pub mod modify;
 pub mod network_fence;
 pub mod out_of_service;
 pub mod pv;

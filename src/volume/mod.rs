@@ -32,6 +32,7 @@ pub mod node_fence;
 pub mod ops;
 pub mod params;
 pub mod pv;
+pub mod qos;
 pub mod quantity;
 pub mod snapshot;
 

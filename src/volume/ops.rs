@@ -875,6 +875,9 @@ fn expand_image_steps(
         fenced(fence, "rbd_resize2", &vol.to_string())?;
         timed(metrics, "resize", || image.resize(size))?;
     }
+    // Limits that grow per GiB follow the new size (also on a retry after
+    // a kill between the resize and this).
+    crate::volume::qos::refresh(&image, metrics, fence)?;
     timed(metrics, "close", || image.close())?;
     Ok(size)
 }

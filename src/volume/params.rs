@@ -87,15 +87,6 @@ const NOT_YET: &[(&str, Option<&str>)] = &[
     ("encryptionType", None),
     ("thickProvision", Some("false")),
     ("topologyConstrainedPools", None),
-    ("BaseReadIops", None),
-    ("BaseWriteIops", None),
-    ("BaseReadBytesPerSecond", None),
-    ("BaseWriteBytesPerSecond", None),
-    ("ReadIopsPerGiB", None),
-    ("WriteIopsPerGiB", None),
-    ("ReadBpsPerGiB", None),
-    ("WriteBpsPerGiB", None),
-    ("BaseVolSizeBytes", None),
 ];
 
 /// Values of `mounter` and the mapper each selects.
@@ -381,6 +372,10 @@ pub struct ClassParams {
     pub node_stage_secret: Option<SecretTemplate>,
     /// How deep clone chains may grow (restores and volume clones).
     pub clone_depth: CloneDepth,
+    /// I/O limits for new volumes (ceph-csi's `BaseReadIops`, ...; a
+    /// VolumeAttributesClass, through CSI `mutable_parameters`, overrides
+    /// them).
+    pub qos: crate::volume::qos::Policy,
 }
 
 /// Bounds on the depth of a clone chain (how many parents an image has).
@@ -634,7 +629,12 @@ impl ClassParams {
             HARD_MAX_CLONE_DEPTH,
         ];
         let known = |k: &str| {
-            KNOWN.contains(&k) || NO_EFFECT.contains(&k) || NOT_YET.iter().any(|(n, _)| *n == k)
+            KNOWN.contains(&k)
+                || NO_EFFECT.contains(&k)
+                || NOT_YET.iter().any(|(n, _)| *n == k)
+                || crate::volume::qos::CLASS_ALIASES
+                    .iter()
+                    .any(|(n, _)| *n == k)
         };
         if let Some(unknown) = params.keys().find(|k| !known(k)) {
             return Err(ParamError::new(
@@ -836,6 +836,7 @@ impl ClassParams {
             expand_secret,
             node_stage_secret,
             clone_depth: CloneDepth::parse(params)?,
+            qos: crate::volume::qos::Policy::from_class(params)?,
         })
     }
 
@@ -1388,7 +1389,7 @@ mod tests {
             ("encryptionKMSID", "vault"),
             ("thickProvision", "true"),
             ("topologyConstrainedPools", "[]"),
-            ("BaseReadIops", "100"),
+            ("BaseReadIops", "0"),
             ("imageFormat", "1"),
             (MOUNTER, "rbd-nbd"),
             (MOUNTER, "nfs"),
@@ -1402,6 +1403,9 @@ mod tests {
         }
         let e = err(&[(MOUNTER, "rbd-nbd")]);
         assert!(e.why.contains("not supported yet"), "{e}");
+        // QoS parameters are honoured (crate::volume::qos).
+        let p = ClassParams::parse(&params(&[("BaseReadIops", "100")])).unwrap();
+        assert!(!p.qos.is_empty());
         // Typos stay refused.
         assert_eq!(err(&[("mounters", "rbd")]).param, "mounters");
         // journalPool is honoured with journaling.

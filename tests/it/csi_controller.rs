@@ -257,7 +257,7 @@ async fn expand_validate_list_and_capacity() {
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(caps.capabilities.len(), 11);
+    assert_eq!(caps.capabilities.len(), 12);
     let mut ids = Vec::new();
     for i in 0..3 {
         ids.push(

@@ -40,6 +40,7 @@ async fn csi_sanity_passes() {
         ("DeleteVolumeSecret", &controller),
         ("ControllerValidateVolumeCapabilitiesSecret", &controller),
         ("ControllerExpandVolumeSecret", &controller),
+        ("ControllerModifyVolumeSecret", &controller),
         ("NodeStageVolumeSecret", &node),
         ("NodePublishVolumeSecret", &node),
         ("NodeExpandVolumeSecret", &node),

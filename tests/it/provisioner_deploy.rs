@@ -152,6 +152,7 @@ fn manifests_parse_and_agree_with_the_provisioner() {
         ),
         ("", "persistentvolumeclaims/status", &["patch"][..]),
         ("storage.k8s.io", "storageclasses", &["get"][..]),
+        ("storage.k8s.io", "volumeattributesclasses", &["get"][..]),
         ("", "secrets", &["get"][..]),
         ("events.k8s.io", "events", &["create", "patch"][..]),
     ] {

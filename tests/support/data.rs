@@ -53,7 +53,8 @@ impl Drop for Aligned {
     }
 }
 
-fn open_direct(path: &std::path::Path, write: bool) -> std::fs::File {
+/// Opens a block device (or file) with `O_DIRECT`, for writing if `write`.
+pub fn open_direct(path: &std::path::Path, write: bool) -> std::fs::File {
     use std::os::unix::fs::OpenOptionsExt;
     std::fs::OpenOptions::new()
         .read(true)
