@@ -193,7 +193,7 @@ impl Context {
     /// Writes rbdkit's owner record onto a legacy PV's image (refusing an
     /// image another rbdkit owns), so the usual checked delete and expand
     /// accept it. A no-op for rbdkit's own PVs.
-    async fn adopt_legacy(
+    pub(crate) async fn adopt_legacy(
         &self,
         conn: &Conn,
         pv: &PersistentVolume,
@@ -745,6 +745,9 @@ async fn claim_inner(
             drop_claim_finalizer(ctx, claim).await?;
             return Ok(Action::await_change());
         }
+        if crate::provisioner::modify::needed(claim) {
+            return modify(claim, &pv_name, ctx).await;
+        }
         return expand(claim, &pv_name, ctx).await;
     }
     if !for_us && !ctx.may_take_early(claim) {
@@ -1224,6 +1227,32 @@ async fn cleanup_image(
     };
     tracing::info!(image = %vol, ?outcome, "removed the image of a claim deleted during provisioning");
     Ok(())
+}
+
+// ------------------------------------------------------ attributes class --
+
+/// A bound claim whose VolumeAttributesClass changed: applied (see
+/// [`crate::provisioner::modify`]), then any expansion.
+async fn modify(
+    claim: &PersistentVolumeClaim,
+    pv_name: &str,
+    ctx: &Context,
+) -> Result<Action, ReconcileError> {
+    let bound = claim.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
+    if !bound {
+        return Ok(Action::await_change());
+    }
+    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
+    let Some(pv) = pvs.get_opt(pv_name).await? else {
+        return Ok(Action::await_change());
+    };
+    let Some(Ok(vol)) = ctx.volume_of(&pv) else {
+        return Ok(Action::await_change());
+    };
+    match crate::provisioner::modify::reconcile(claim, &pv, &vol, ctx).await? {
+        crate::provisioner::modify::Outcome::Wrote => Ok(Action::await_change()),
+        crate::provisioner::modify::Outcome::Idle => expand(claim, pv_name, ctx).await,
+    }
 }
 
 // ------------------------------------------------------------- expansion --

@@ -3,12 +3,14 @@
 //! VolumeAttributesClass over them, become the image's librbd limits at
 //! provisioning; the PV names the class (so the binder binds it); a class
 //! that does not exist yet is waited for; one of another driver is refused
-//! by name, with no image made.
+//! by name, with no image made. Changing a bound claim's class applies it
+//! (the external-resizer's modify role, played by the provisioner), keeps
+//! the claim's status as the resizer does, and refuses or waits as above.
 use crate::support;
 
 use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use k8s_openapi::api::storage::v1::VolumeAttributesClass;
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use rbdkit::rbd::Image;
 use rbdkit::volume::VolumeId;
 use serde_json::json;
@@ -48,6 +50,62 @@ async fn claim_with(env: &Env, name: &str, class: &str, vac: &str) {
         .unwrap_or_else(|e| panic!("create claim {name}: {e}"));
 }
 
+async fn set_class(env: &Env, claim: &str, class: &str) {
+    env.claims()
+        .patch(
+            claim,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"volumeAttributesClassName": class}})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("set the class of {claim}: {e}"));
+}
+
+/// Waits until the claim's status says `class` is applied and no change
+/// is under way.
+async fn wait_applied(env: &Env, claim: &str, class: &str) {
+    eventually(&format!("{claim} at class {class}"), WAIT, || async {
+        let c = env.claims().get(claim).await.map_err(|e| e.to_string())?;
+        let st = c.status.clone().unwrap_or_default();
+        let done = st.current_volume_attributes_class_name.as_deref() == Some(class)
+            && st.modify_volume_status.is_none();
+        if done {
+            Ok(())
+        } else {
+            Err(format!("{st:?}"))
+        }
+    })
+    .await
+}
+
+/// Waits until the claim's `modifyVolumeStatus` is `status` for `class`.
+async fn wait_modify_status(
+    env: &Env,
+    claim: &str,
+    class: &str,
+    status: &str,
+) -> PersistentVolumeClaim {
+    eventually(&format!("{claim} {status} for {class}"), WAIT, || async {
+        let c = env.claims().get(claim).await.map_err(|e| e.to_string())?;
+        let m = c
+            .status
+            .as_ref()
+            .and_then(|s| s.modify_volume_status.clone());
+        let now = m.as_ref().map(|m| {
+            (
+                m.status.as_str(),
+                m.target_volume_attributes_class_name.as_deref(),
+            )
+        });
+        if now == Some((status, Some(class))) {
+            Ok(c)
+        } else {
+            Err(format!("{m:?}"))
+        }
+    })
+    .await
+}
+
 /// The image's librbd write-IOPS limit, if it has one.
 fn write_limit(env: &Env, handle: &str) -> Option<String> {
     let vol = VolumeId::parse(handle).unwrap();
@@ -56,7 +114,7 @@ fn write_limit(env: &Env, handle: &str) -> Option<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn class_qos_and_a_volume_attributes_class_are_applied_at_provisioning() {
+async fn volume_attributes_classes_are_applied_at_provisioning_and_on_change() {
     let mut env = Env::new("pqos").await;
     let _p = env.start_in_process();
     let class = env
@@ -133,6 +191,44 @@ async fn class_qos_and_a_volume_attributes_class_are_applied_at_provisioning() {
     let (_, pv) = env.wait_bound("later").await;
     assert_eq!(write_limit(&env, &handle(&pv)).as_deref(), Some("50"));
 
+    // A bound claim's class changed: applied to the image, the PV and the
+    // claim's status, as the external-resizer would.
+    let fast_handle = handle(&env.wait_bound("fast").await.1);
+    let (slow, ghost) = (format!("{}-slow", env.ns), format!("{}-ghost", env.ns));
+    vac(&env, &slow, &env.name, json!({"baseWriteIops": "20"})).await;
+    set_class(&env, "fast", &slow).await;
+    wait_applied(&env, "fast", &slow).await;
+    assert_eq!(write_limit(&env, &fast_handle).as_deref(), Some("20"));
+    let (_, pv) = env.wait_bound("fast").await;
+    let pv_class = pv
+        .spec
+        .as_ref()
+        .unwrap()
+        .volume_attributes_class_name
+        .clone();
+    assert_eq!(pv_class.as_deref(), Some(slow.as_str()));
+    let ev = env.event_summary("fast").await;
+    assert!(
+        ev.iter().any(|e| e.starts_with("VolumeModifySuccessful")),
+        "{ev:?}"
+    );
+
+    // Another driver's class: Infeasible, the image unchanged.
+    set_class(&env, "fast", &foreign).await;
+    let c = wait_modify_status(&env, "fast", &foreign, "Infeasible").await;
+    let conds = c.status.unwrap().conditions.unwrap_or_default();
+    let err = conds.iter().find(|c| c.type_ == "ModifyVolumeError");
+    let msg = err.and_then(|c| c.message.clone()).unwrap_or_default();
+    assert!(msg.contains("other.csi.example"), "{conds:?}");
+    assert_eq!(write_limit(&env, &fast_handle).as_deref(), Some("20"));
+
+    // A class that does not exist yet: Pending, then applied once made.
+    set_class(&env, "fast", &ghost).await;
+    wait_modify_status(&env, "fast", &ghost, "Pending").await;
+    vac(&env, &ghost, &env.name, json!({"baseWriteIops": "30"})).await;
+    wait_applied(&env, "fast", &ghost).await;
+    assert_eq!(write_limit(&env, &fast_handle).as_deref(), Some("30"));
+
     for n in ["plain", "fast", "later", "foreign"] {
         env.delete_claim(n).await;
     }
@@ -146,7 +242,7 @@ async fn class_qos_and_a_volume_attributes_class_are_applied_at_provisioning() {
     })
     .await;
     let api: Api<VolumeAttributesClass> = Api::all(env.client.clone());
-    for n in [&fast, &later, &foreign] {
+    for n in [&fast, &later, &foreign, &slow, &ghost] {
         let _ = api.delete(n, &DeleteParams::default()).await;
     }
 }
