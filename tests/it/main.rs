@@ -26,6 +26,7 @@ mod migrate;
 mod node_e2e;
 mod node_fuse;
 mod node_mount;
+mod node_qos;
 mod node_race;
 mod parsers_prop;
 mod provisioner_apiserver_restart;
