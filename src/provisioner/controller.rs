@@ -1231,6 +1231,26 @@ async fn cleanup_image(
 
 // ------------------------------------------------------ attributes class --
 
+/// The PV and volume of a bound claim, if the reconcilers act on them.
+async fn bound_volume(
+    claim: &PersistentVolumeClaim,
+    pv_name: &str,
+    ctx: &Context,
+) -> Result<Option<(PersistentVolume, VolumeId)>, ReconcileError> {
+    let bound = claim.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
+    if !bound {
+        return Ok(None);
+    }
+    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
+    let Some(pv) = pvs.get_opt(pv_name).await? else {
+        return Ok(None);
+    };
+    match ctx.volume_of(&pv) {
+        Some(Ok(vol)) => Ok(Some((pv, vol))),
+        _ => Ok(None),
+    }
+}
+
 /// A bound claim whose VolumeAttributesClass changed: applied (see
 /// [`crate::provisioner::modify`]), then any expansion.
 async fn modify(
@@ -1238,20 +1258,12 @@ async fn modify(
     pv_name: &str,
     ctx: &Context,
 ) -> Result<Action, ReconcileError> {
-    let bound = claim.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
-    if !bound {
-        return Ok(Action::await_change());
-    }
-    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
-    let Some(pv) = pvs.get_opt(pv_name).await? else {
-        return Ok(Action::await_change());
-    };
-    let Some(Ok(vol)) = ctx.volume_of(&pv) else {
+    let Some((pv, vol)) = bound_volume(claim, pv_name, ctx).await? else {
         return Ok(Action::await_change());
     };
     match crate::provisioner::modify::reconcile(claim, &pv, &vol, ctx).await? {
         crate::provisioner::modify::Outcome::Wrote => Ok(Action::await_change()),
-        crate::provisioner::modify::Outcome::Idle => expand(claim, pv_name, ctx).await,
+        crate::provisioner::modify::Outcome::Idle => expand_volume(claim, &pv, &vol, ctx).await,
     }
 }
 
@@ -1262,17 +1274,21 @@ async fn expand(
     pv_name: &str,
     ctx: &Context,
 ) -> Result<Action, ReconcileError> {
-    let bound = claim.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
-    if !bound {
-        return Ok(Action::await_change());
+    match bound_volume(claim, pv_name, ctx).await? {
+        Some((pv, vol)) => expand_volume(claim, &pv, &vol, ctx).await,
+        None => Ok(Action::await_change()),
     }
-    let pvs: Api<PersistentVolume> = Api::all(ctx.client.clone());
-    let Some(pv) = pvs.get_opt(pv_name).await? else {
-        return Ok(Action::await_change());
-    };
-    let Some(Ok(vol)) = ctx.volume_of(&pv) else {
-        return Ok(Action::await_change());
-    };
+}
+
+/// Grows the image, the PV and the claim's status to the claim's request,
+/// if it asks for more and its class allows it.
+async fn expand_volume(
+    claim: &PersistentVolumeClaim,
+    pv: &PersistentVolume,
+    vol: &VolumeId,
+    ctx: &Context,
+) -> Result<Action, ReconcileError> {
+    let pv_name = pv.name_any();
     let class_name = claim
         .spec
         .as_ref()
@@ -1281,7 +1297,7 @@ async fn expand(
     let Ok(requested) = storage_request(claim) else {
         return Ok(Action::await_change());
     };
-    let capacity = pv_capacity(&pv);
+    let capacity = pv_capacity(pv);
     if requested <= capacity {
         if resize_unfinished(claim) && capacity > 0 {
             tracing::info!(pv = %pv_name, bytes = capacity, "finishing a resize cut short after the PV was grown");
@@ -1299,7 +1315,7 @@ async fn expand(
         return Ok(Action::await_change());
     }
     let new_size = round_up_mib(requested);
-    match expand_steps(claim, &pv, &vol, new_size, ctx).await {
+    match expand_steps(claim, pv, vol, new_size, ctx).await {
         Ok(()) => {
             ctx.metrics.resized(&class_name);
             Ok(Action::await_change())

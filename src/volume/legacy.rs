@@ -28,13 +28,11 @@ use k8s_openapi::api::core::v1::{
 use kube::api::ObjectMeta;
 
 use crate::rados::Cluster;
-use crate::rbd::Image;
 use crate::volume::clusters::{monitor_list, ClustersConfig};
 use crate::volume::ops::{self, timed, Owner, VolumeError, META_PROVISIONER, META_PV};
 use crate::volume::params::SecretRef;
 use crate::volume::pv::{annotate, secret_reference, PROVISIONED_BY, PV_FINALIZER};
 use crate::volume::{CephObserver, Fence, VolumeId};
-use crate::ErrorKind;
 
 /// PV annotation: when and from what a PV was migrated (JSON).
 pub const MIGRATED_FROM: &str = "rbdkit.io/migrated-from";
@@ -479,15 +477,7 @@ pub fn adopt_image(
     owner: &Owner,
 ) -> Result<Adopted, VolumeError> {
     let io = ops::ioctx(cluster, metrics, vol)?;
-    let image = match timed(metrics, "open", || Image::open(&io, &vol.image)) {
-        Ok(i) => i,
-        Err(e) if e.kind() == ErrorKind::NotFound => {
-            return Err(VolumeError::Missing {
-                image: vol.to_string(),
-            })
-        }
-        Err(e) => return Err(e.into()),
-    };
+    let image = ops::open_volume(&io, metrics, vol)?;
     let meta = timed(metrics, "metadata_list", || image.metadata_list())?;
     let theirs = |k: &str, mine: &str| meta.get(k).is_some_and(|v| v != mine);
     if theirs(META_PROVISIONER, &owner.provisioner) || theirs(META_PV, &owner.pv_name) {

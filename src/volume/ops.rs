@@ -332,6 +332,22 @@ pub(crate) fn ioctx(
     })
 }
 
+/// Opens the image of `vol` read-write; a missing one is
+/// [`VolumeError::Missing`], naming the volume.
+pub(crate) fn open_volume(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    vol: &VolumeId,
+) -> Result<Image, VolumeError> {
+    match timed(metrics, "open", || Image::open(io, &vol.image)) {
+        Ok(i) => Ok(i),
+        Err(e) if e.kind() == ErrorKind::NotFound => Err(VolumeError::Missing {
+            image: vol.to_string(),
+        }),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Checks an image's owner record against `provisioner` and `pv_name`.
 pub(crate) fn check_owner(
     image: &Image,
@@ -853,15 +869,7 @@ fn expand_image_steps(
     size: u64,
 ) -> Result<u64, VolumeError> {
     let io = ioctx(cluster, metrics, vol)?;
-    let image = match timed(metrics, "open", || Image::open(&io, &vol.image)) {
-        Ok(img) => img,
-        Err(e) if e.kind() == ErrorKind::NotFound => {
-            return Err(VolumeError::Missing {
-                image: vol.image.clone(),
-            })
-        }
-        Err(e) => return Err(e.into()),
-    };
+    let image = open_volume(&io, metrics, vol)?;
     check_owner(&image, metrics, provisioner, pv_name)?;
     let current = timed(metrics, "size", || image.size())?;
     if size < current {

@@ -31,7 +31,6 @@ use crate::rbd::Image;
 use crate::volume::ops::{self, fenced, timed, VolumeError};
 use crate::volume::params::ParamError;
 use crate::volume::{CephObserver, Fence, VolumeId};
-use crate::ErrorKind;
 
 /// The image-metadata prefix of the stored policy.
 pub const POLICY_PREFIX: &str = "rbdkit.qos.";
@@ -484,15 +483,7 @@ pub fn apply_to_volume(
     mode: Mode,
 ) -> Result<Limits, VolumeError> {
     let io = ops::ioctx(cluster, metrics, vol)?;
-    let image = match timed(metrics, "open", || Image::open(&io, &vol.image)) {
-        Ok(i) => i,
-        Err(e) if e.kind() == ErrorKind::NotFound => {
-            return Err(VolumeError::Missing {
-                image: vol.to_string(),
-            })
-        }
-        Err(e) => return Err(e.into()),
-    };
+    let image = ops::open_volume(&io, metrics, vol)?;
     ops::check_owner(&image, metrics, provisioner, pv_name)?;
     let limits = apply(&image, metrics, fence, policy, mode)?;
     timed(metrics, "close", || image.close())?;

@@ -93,6 +93,25 @@ async fn create_until_ready(
     }
 }
 
+/// GetVolumeGroupSnapshot of `gs`, naming its members.
+async fn get_group(
+    group: &mut GroupControllerClient<tonic::transport::Channel>,
+    env: &CsiEnv,
+    gs: &VolumeGroupSnapshot,
+) -> VolumeGroupSnapshot {
+    group
+        .get_volume_group_snapshot(GetVolumeGroupSnapshotRequest {
+            group_snapshot_id: gs.group_snapshot_id.clone(),
+            snapshot_ids: member_ids(gs),
+            secrets: env.secrets(),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("GetVolumeGroupSnapshot: {e}"))
+        .into_inner()
+        .group_snapshot
+        .unwrap()
+}
+
 /// A group snapshot's member ids, sorted.
 fn member_ids(g: &VolumeGroupSnapshot) -> Vec<String> {
     let mut v: Vec<String> = g.snapshots.iter().map(|s| s.snapshot_id.clone()).collect();
@@ -199,17 +218,7 @@ async fn group_snapshot_is_one_instant_and_a_member_restores() {
     assert_eq!(again.group_snapshot_id, gs.group_snapshot_id);
     let ids = member_ids;
     assert_eq!(ids(&again), ids(&gs));
-    let got = group
-        .get_volume_group_snapshot(GetVolumeGroupSnapshotRequest {
-            group_snapshot_id: gs.group_snapshot_id.clone(),
-            snapshot_ids: ids(&gs),
-            secrets: env.secrets(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .group_snapshot
-        .unwrap();
+    let got = get_group(&mut group, &env, &gs).await;
     assert_eq!(ids(&got), ids(&gs));
 
     // Restore member a into a new volume: the data of the instant.
@@ -638,17 +647,7 @@ async fn member_copies_run_outside_the_call_and_survive_a_kill() {
     let e = group.delete_volume_group_snapshot(delete(&first)).await;
     let e = e.expect_err("a delete while the members are copied");
     assert_eq!(e.code(), Code::Aborted, "{e}");
-    let got = group
-        .get_volume_group_snapshot(GetVolumeGroupSnapshotRequest {
-            group_snapshot_id: first.group_snapshot_id.clone(),
-            snapshot_ids: member_ids(&first),
-            secrets: env.secrets(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .group_snapshot
-        .unwrap();
+    let got = get_group(&mut group, &env, &first).await;
     assert!(!got.ready_to_use, "{got:?}");
     write(&env, &a, b"a later!!");
     write(&env, &b, b"b later!!");
