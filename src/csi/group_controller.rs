@@ -37,9 +37,7 @@ impl GroupControllerService {
     pub fn new(driver: Arc<Driver>) -> GroupControllerService {
         GroupControllerService { driver }
     }
-}
 
-impl GroupControllerService {
     /// Starts the members' data copies as a job holding `busy`; returns
     /// the group snapshot as reported until they are done.
     fn copy_in_background(
