@@ -821,7 +821,19 @@ async fn list_volume_health_reports_an_unreadable_pool_and_lists_the_others() {
     let first = list().await.unwrap().into_inner();
     assert!(first.entries.is_empty(), "both healthy: {first:?}");
 
+    // One volume's health with its pool's OSD down: an error that says the
+    // volume cannot be read (the op timeout), never NOT_FOUND: it exists.
     other.stop_daemon("osd.0");
+    let e = env
+        .controller()
+        .await
+        .controller_get_volume_health(ControllerGetVolumeHealthRequest {
+            volume_id: gone.clone(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("health of a volume whose OSD is down");
+    assert_ne!(e.code(), Code::NotFound, "{e}");
     other.stop_daemon("mon.a");
     let after = list()
         .await
