@@ -476,8 +476,7 @@ pub fn adopt_image(
     vol: &VolumeId,
     owner: &Owner,
 ) -> Result<Adopted, VolumeError> {
-    let io = ops::ioctx(cluster, metrics, vol)?;
-    let image = ops::open_volume(&io, metrics, vol)?;
+    let image = ops::open_volume(cluster, metrics, vol)?;
     let meta = timed(metrics, "metadata_list", || image.metadata_list())?;
     let theirs = |k: &str, mine: &str| meta.get(k).is_some_and(|v| v != mine);
     if theirs(META_PROVISIONER, &owner.provisioner) || theirs(META_PV, &owner.pv_name) {

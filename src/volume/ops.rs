@@ -335,17 +335,32 @@ pub(crate) fn ioctx(
 /// Opens the image of `vol` read-write; a missing one is
 /// [`VolumeError::Missing`], naming the volume.
 pub(crate) fn open_volume(
-    io: &IoCtx,
+    cluster: &Cluster,
     metrics: &dyn CephObserver,
     vol: &VolumeId,
 ) -> Result<Image, VolumeError> {
-    match timed(metrics, "open", || Image::open(io, &vol.image)) {
+    let io = ioctx(cluster, metrics, vol)?;
+    match timed(metrics, "open", || Image::open(&io, &vol.image)) {
         Ok(i) => Ok(i),
         Err(e) if e.kind() == ErrorKind::NotFound => Err(VolumeError::Missing {
             image: vol.to_string(),
         }),
         Err(e) => Err(e.into()),
     }
+}
+
+/// [`open_volume`], then checks its owner record against `provisioner` and
+/// `pv_name` ([`check_owner`]).
+pub(crate) fn open_owned(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    vol: &VolumeId,
+    provisioner: &str,
+    pv_name: &str,
+) -> Result<Image, VolumeError> {
+    let image = open_volume(cluster, metrics, vol)?;
+    check_owner(&image, metrics, provisioner, pv_name)?;
+    Ok(image)
 }
 
 /// Checks an image's owner record against `provisioner` and `pv_name`.
@@ -868,9 +883,7 @@ fn expand_image_steps(
     pv_name: &str,
     size: u64,
 ) -> Result<u64, VolumeError> {
-    let io = ioctx(cluster, metrics, vol)?;
-    let image = open_volume(&io, metrics, vol)?;
-    check_owner(&image, metrics, provisioner, pv_name)?;
+    let image = open_owned(cluster, metrics, vol, provisioner, pv_name)?;
     let current = timed(metrics, "size", || image.size())?;
     if size < current {
         return Err(VolumeError::ShrinkRefused {

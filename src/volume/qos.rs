@@ -482,9 +482,7 @@ pub fn apply_to_volume(
     policy: &Policy,
     mode: Mode,
 ) -> Result<Limits, VolumeError> {
-    let io = ops::ioctx(cluster, metrics, vol)?;
-    let image = ops::open_volume(&io, metrics, vol)?;
-    ops::check_owner(&image, metrics, provisioner, pv_name)?;
+    let image = ops::open_owned(cluster, metrics, vol, provisioner, pv_name)?;
     let limits = apply(&image, metrics, fence, policy, mode)?;
     timed(metrics, "close", || image.close())?;
     Ok(limits)

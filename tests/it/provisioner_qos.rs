@@ -144,18 +144,19 @@ async fn volume_attributes_classes_are_applied_at_provisioning_and_on_change() {
             .volume_handle
             .clone()
     };
+    let pv_class = |pv: &k8s_openapi::api::core::v1::PersistentVolume| {
+        pv.spec
+            .as_ref()
+            .unwrap()
+            .volume_attributes_class_name
+            .clone()
+    };
     let (_, pv) = env.wait_bound("plain").await;
     assert_eq!(write_limit(&env, &handle(&pv)).as_deref(), Some("1000"));
-    assert_eq!(pv.spec.as_ref().unwrap().volume_attributes_class_name, None);
+    assert_eq!(pv_class(&pv), None);
     let (c, pv) = env.wait_bound("fast").await;
     assert_eq!(write_limit(&env, &handle(&pv)).as_deref(), Some("200"));
-    let pv_class = pv
-        .spec
-        .as_ref()
-        .unwrap()
-        .volume_attributes_class_name
-        .clone();
-    assert_eq!(pv_class.as_deref(), Some(fast.as_str()));
+    assert_eq!(pv_class(&pv).as_deref(), Some(fast.as_str()));
     let current = c.status.unwrap().current_volume_attributes_class_name;
     assert_eq!(current.as_deref(), Some(fast.as_str()));
 
@@ -200,13 +201,7 @@ async fn volume_attributes_classes_are_applied_at_provisioning_and_on_change() {
     wait_applied(&env, "fast", &slow).await;
     assert_eq!(write_limit(&env, &fast_handle).as_deref(), Some("20"));
     let (_, pv) = env.wait_bound("fast").await;
-    let pv_class = pv
-        .spec
-        .as_ref()
-        .unwrap()
-        .volume_attributes_class_name
-        .clone();
-    assert_eq!(pv_class.as_deref(), Some(slow.as_str()));
+    assert_eq!(pv_class(&pv).as_deref(), Some(slow.as_str()));
     let ev = env.event_summary("fast").await;
     assert!(
         ev.iter().any(|e| e.starts_with("VolumeModifySuccessful")),
