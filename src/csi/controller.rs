@@ -4,11 +4,11 @@
 //! records and crash safety; and snapshots, restores and volume clones
 //! through [`crate::volume::snapshot`].
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tonic::{Request, Response, Status};
+use tonic::{Code, Request, Response, Status};
 
 use crate::csi::driver::{required, volume_id, volume_status, Driver, InFlight};
 use crate::csi::proto::{
@@ -255,46 +255,112 @@ fn to_hash(m: BTreeMap<String, String>) -> HashMap<String, String> {
 }
 
 impl ControllerService {
-    /// This driver's volumes in every pool it has seen, sorted by handle,
-    /// each with what is wrong with it when `health` is asked for. A pool
+    /// This driver's volumes, sorted by handle, each with what is wrong with
+    /// it when `health` is asked for. The pools are those volumes were seen
+    /// in (kept across restarts with `--state-dir`) and every RBD pool of
+    /// each configured cluster this server has credentials for. A seen pool
     /// that cannot be scanned fails the list (ListVolumes), or, for health,
     /// has the volumes its last scan found reported inaccessible, naming
-    /// the error, and the other pools are listed all the same.
+    /// the error, and the other pools are listed all the same. A found pool
+    /// this user may not read is not this driver's and is skipped.
     async fn scan_volumes(&self, health: bool) -> Result<Vec<ScannedVolume>, Status> {
+        // A cluster gone from the config takes its pools out of the list.
+        let seen: BTreeSet<_> = self
+            .driver
+            .pools_seen()
+            .into_iter()
+            .filter(|(c, _, _)| self.driver.clusters.get(c).is_some())
+            .collect();
+        let mut places = seen.clone();
+        places.extend(self.found_pools().await?);
         let mut all = Vec::new();
-        for place in self.driver.pools_seen() {
+        for place in places {
+            // Without credentials nothing is known of it (found_pools
+            // warned): not "inaccessible".
+            if !self.driver.has_credentials(&place.0)? {
+                continue;
+            }
             match self.scan_pool(&place, health).await {
                 Ok(found) => {
                     self.driver
                         .scanned(&place, found.iter().map(|v| v.handle.clone()).collect());
                     all.extend(found);
                 }
-                Err(e) if health => {
-                    let (cluster_id, pool, ns) = &place;
-                    let why = format!(
-                        "pool {pool:?} (namespace {ns:?}) of cluster {cluster_id:?} cannot be \
-                         read: {}",
-                        e.message()
-                    );
-                    tracing::warn!(cluster = %cluster_id, pool = %pool, error = %e.message(),
-                        "volume health: a pool cannot be scanned; its volumes are reported inaccessible");
-                    all.extend(self.driver.last_scanned(&place).into_iter().map(|handle| {
-                        ScannedVolume {
-                            handle,
-                            size: 0,
-                            problems: vec![health_entry(
-                                VolumeHealthErrorType::Inaccessible,
-                                "PoolUnreadable",
-                                why.clone(),
-                            )],
-                        }
-                    }));
+                // The pool (or the namespace in it) is gone, and its
+                // volumes with it.
+                Err(e) if e.code() == Code::NotFound => self.driver.scanned(&place, Vec::new()),
+                Err(e) if e.code() == Code::PermissionDenied && !seen.contains(&place) => {
+                    tracing::debug!(cluster = %place.0, pool = %place.1, "pool not readable by this user; skipped");
                 }
+                Err(e) if health => all.extend(self.unreadable(&place, &e)),
                 Err(e) => return Err(e),
             }
         }
         all.sort_by(|a, b| a.handle.cmp(&b.handle));
         Ok(all)
+    }
+
+    /// The RBD pools of every configured cluster this server has
+    /// credentials for, in each cluster's namespace. A cluster that cannot
+    /// be asked is logged and left to the pools seen there; half a pair of
+    /// credentials in `--credentials-dir` is an error naming the file.
+    async fn found_pools(&self) -> Result<Vec<(String, String, String)>, Status> {
+        let mut out = Vec::new();
+        let mut ids = self.driver.clusters.config().ids();
+        ids.sort();
+        for cluster_id in ids {
+            if !self.driver.has_credentials(&cluster_id)? {
+                tracing::warn!(cluster = %cluster_id,
+                    "volumes cannot be listed: no credentials for this cluster yet (--credentials-dir, or a call with secrets)");
+                continue;
+            }
+            let Ok(info) = self.driver.cluster(&cluster_id) else {
+                continue;
+            };
+            let found = match self.driver.connect(&cluster_id, &HashMap::new()).await {
+                Ok(conn) => self
+                    .driver
+                    .ceph(&conn, |c, _m| Ok(crate::volume::rbd_pools(c)?))
+                    .await
+                    .map_err(|e| volume_status(&e)),
+                Err(e) => Err(e),
+            };
+            match found {
+                Ok(pools) => out.extend(
+                    pools
+                        .into_iter()
+                        .map(|p| (cluster_id.clone(), p, info.rados_namespace.clone())),
+                ),
+                Err(e) => tracing::warn!(cluster = %cluster_id, error = %e.message(),
+                    "the cluster's pools cannot be listed; only those seen before are"),
+            }
+        }
+        Ok(out)
+    }
+
+    /// What a health list says of a pool that cannot be scanned: the
+    /// volumes its last scan found, inaccessible.
+    fn unreadable(&self, place: &(String, String, String), e: &Status) -> Vec<ScannedVolume> {
+        let (cluster_id, pool, ns) = place;
+        let why = format!(
+            "pool {pool:?} (namespace {ns:?}) of cluster {cluster_id:?} cannot be read: {}",
+            e.message()
+        );
+        tracing::warn!(cluster = %cluster_id, pool = %pool, error = %e.message(),
+            "volume health: a pool cannot be scanned; its volumes are reported inaccessible");
+        self.driver
+            .last_scanned(place)
+            .into_iter()
+            .map(|handle| ScannedVolume {
+                handle,
+                size: 0,
+                problems: vec![health_entry(
+                    VolumeHealthErrorType::Inaccessible,
+                    "PoolUnreadable",
+                    why.clone(),
+                )],
+            })
+            .collect()
     }
 
     /// One pool's volumes of this driver (one blocking call).

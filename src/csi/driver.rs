@@ -3,6 +3,7 @@
 //! background jobs, and the mapping of errors to gRPC status codes.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use tonic::{Code, Status};
@@ -49,6 +50,10 @@ pub struct Driver {
     // Per pool, the volumes its last successful scan found: what a health
     // list reports as unreachable when the pool cannot be scanned.
     pool_volumes: Mutex<HashMap<(String, String, String), Vec<String>>>,
+    // Where `pools_seen` and `pool_volumes` are kept across restarts.
+    pool_index: Option<PathBuf>,
+    // `--credentials-dir`: credentials of this server's own.
+    credentials_dir: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Driver {
@@ -121,6 +126,66 @@ impl Driver {
             known_users: Mutex::new(HashMap::new()),
             pools_seen: Mutex::new(HashSet::new()),
             pool_volumes: Mutex::new(HashMap::new()),
+            pool_index: None,
+            credentials_dir: None,
+        }
+    }
+
+    /// Keeps the pools volumes were seen in, and what their last scan
+    /// found, in `path` (a JSON file) across restarts, starting from what
+    /// it holds. A file that cannot be read is logged and started over:
+    /// it is an index, not the volumes' record.
+    pub fn with_pool_index(mut self, path: PathBuf) -> Driver {
+        match std::fs::read(&path) {
+            Ok(bytes) => match serde_json::from_slice::<PoolIndex>(&bytes) {
+                Ok(index) => {
+                    let seen = self.pools_seen.get_mut().unwrap_or_else(|e| e.into_inner());
+                    let volumes = self
+                        .pool_volumes
+                        .get_mut()
+                        .unwrap_or_else(|e| e.into_inner());
+                    for p in index.pools {
+                        let place = (p.cluster_id, p.pool, p.namespace);
+                        seen.insert(place.clone());
+                        volumes.insert(place, p.volumes);
+                    }
+                }
+                Err(e) => tracing::warn!(path = %path.display(), error = %e,
+                    "the pool index is unreadable; starting a new one"),
+            },
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(path = %path.display(), error = %e,
+                "the pool index cannot be read; starting a new one"),
+        }
+        self.pool_index = Some(path);
+        self
+    }
+
+    /// Takes credentials for the calls that carry none (ListVolumes,
+    /// ControllerListVolumeHealth, GetCapacity) from `dir`, a mounted
+    /// Secret, before those an earlier call brought (see
+    /// [`CredentialsDir`]).
+    pub fn with_credentials_dir(mut self, dir: PathBuf) -> Driver {
+        self.credentials_dir = Some(dir);
+        self
+    }
+
+    /// Whether this server has credentials for `cluster_id` of its own
+    /// (`--credentials-dir`) or from an earlier call; an error when
+    /// `--credentials-dir` holds half a pair for it.
+    pub fn has_credentials(&self, cluster_id: &str) -> Result<bool, Status> {
+        Ok(self.standing_credentials(cluster_id)?.is_some()
+            || self
+                .known
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains_key(cluster_id))
+    }
+
+    fn standing_credentials(&self, cluster_id: &str) -> Result<Option<Credentials>, Status> {
+        match &self.credentials_dir {
+            Some(dir) => CredentialsDir(dir.clone()).for_cluster(cluster_id),
+            None => Ok(None),
         }
     }
 
@@ -159,17 +224,22 @@ impl Driver {
     ) -> Result<Conn, Status> {
         let creds = match credentials(secrets)? {
             Some(c) => c,
-            None => self
-                .known
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(cluster_id)
-                .cloned()
-                .ok_or_else(|| {
-                    Status::invalid_argument(format!(
-                        "the request carries no secrets ({USER_ID}, {USER_KEY}) for cluster {cluster_id:?}"
-                    ))
-                })?,
+            None => match self.standing_credentials(cluster_id)? {
+                Some(c) => c,
+                None => self
+                    .known
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get(cluster_id)
+                    .cloned()
+                    .ok_or_else(|| {
+                        Status::invalid_argument(format!(
+                            "the request carries no secrets ({USER_ID}, {USER_KEY}) for cluster \
+                             {cluster_id:?}, and this server has none of its own for it \
+                             (--credentials-dir)"
+                        ))
+                    })?,
+            },
         };
         self.connect_with(cluster_id, creds).await
     }
@@ -264,12 +334,36 @@ impl Driver {
             ));
     }
 
-    /// Records the volumes (handles) a scan of `pool` found.
+    /// Records the volumes (handles) a scan of `pool` found, in the pool
+    /// index too when there is one.
     pub fn scanned(&self, pool: &(String, String, String), handles: Vec<String>) {
-        self.pool_volumes
+        let mut volumes = self.pool_volumes.lock().unwrap_or_else(|e| e.into_inner());
+        if volumes.get(pool) == Some(&handles) {
+            return;
+        }
+        volumes.insert(pool.clone(), handles);
+        self.pools_seen
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(pool.clone(), handles);
+            .insert(pool.clone());
+        if let Some(path) = &self.pool_index {
+            let index = PoolIndex {
+                pools: volumes
+                    .iter()
+                    .map(|((c, p, ns), v)| IndexedPool {
+                        cluster_id: c.clone(),
+                        pool: p.clone(),
+                        namespace: ns.clone(),
+                        volumes: v.clone(),
+                    })
+                    .collect(),
+            };
+            // Written under the lock, so two scans cannot interleave.
+            if let Err(e) = write_atomically(path, &index) {
+                tracing::warn!(path = %path.display(), error = %e,
+                    "the pool index cannot be written; a restart will not know this pool's volumes");
+            }
+        }
     }
 
     /// The volumes the last successful scan of `pool` found.
@@ -306,6 +400,99 @@ impl Driver {
             .collect();
         v.sort();
         v
+    }
+}
+
+/// What [`Driver::with_pool_index`] keeps: no secret, only where volumes
+/// were and which.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct PoolIndex {
+    pools: Vec<IndexedPool>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct IndexedPool {
+    cluster_id: String,
+    pool: String,
+    namespace: String,
+    volumes: Vec<String>,
+}
+
+fn write_atomically(path: &Path, index: &PoolIndex) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    let bytes = serde_json::to_vec(index).map_err(std::io::Error::other)?;
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        std::io::Write::write_all(&mut f, &bytes)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)
+}
+
+/// Credentials a server holds itself, for the calls that carry no secrets:
+/// a directory, usually a mounted Secret, with the keys of ceph-csi's
+/// Secrets as file names. `<clusterID>.userID` and `<clusterID>.userKey`
+/// are one cluster's; `userID` and `userKey` serve every other cluster.
+/// The files are read at each use, so a rotated Secret is picked up; the
+/// key is held only in a [`Secret`].
+#[derive(Debug, Clone)]
+pub struct CredentialsDir(pub PathBuf);
+
+impl CredentialsDir {
+    /// The credentials for `cluster_id`: its own pair, else the shared
+    /// one, else `None`. One file of a pair without the other, or an empty
+    /// or unreadable one, is an error naming the file (never its content).
+    pub fn for_cluster(&self, cluster_id: &str) -> Result<Option<Credentials>, Status> {
+        // A cluster id is a file name here only if it cannot climb out.
+        let own =
+            !cluster_id.is_empty() && !cluster_id.contains('/') && !cluster_id.starts_with('.');
+        if own {
+            if let Some(c) = self.pair(
+                &format!("{cluster_id}.{USER_ID}"),
+                &format!("{cluster_id}.{USER_KEY}"),
+            )? {
+                return Ok(Some(c));
+            }
+        }
+        self.pair(USER_ID, USER_KEY)
+    }
+
+    fn pair(&self, user_file: &str, key_file: &str) -> Result<Option<Credentials>, Status> {
+        let user = self.read(user_file)?;
+        let key = self.read(key_file)?;
+        match (user, key) {
+            (None, None) => Ok(None),
+            (Some(user), Some(key)) => Ok(Some(Credentials {
+                user,
+                key: Secret::new(key),
+            })),
+            (Some(_), None) => Err(self.incomplete(key_file)),
+            (None, Some(_)) => Err(self.incomplete(user_file)),
+        }
+    }
+
+    fn incomplete(&self, missing: &str) -> Status {
+        Status::failed_precondition(format!(
+            "--credentials-dir {}: {missing} is missing (its pair is there)",
+            self.0.display()
+        ))
+    }
+
+    fn read(&self, name: &str) -> Result<Option<String>, Status> {
+        let path = self.0.join(name);
+        match std::fs::read_to_string(&path) {
+            Ok(s) if s.trim().is_empty() => Err(Status::failed_precondition(format!(
+                "--credentials-dir: {} is empty",
+                path.display()
+            ))),
+            Ok(s) => Ok(Some(s.trim().to_owned())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(Status::failed_precondition(format!(
+                "--credentials-dir: {} cannot be read: {}",
+                path.display(),
+                e.kind()
+            ))),
+        }
     }
 }
 
@@ -382,5 +569,39 @@ pub fn required<'a>(field: &str, value: &'a str) -> Result<&'a str, Status> {
         Err(Status::invalid_argument(format!("{field} is empty")))
     } else {
         Ok(value)
+    }
+}
+
+#[cfg(test)]
+mod credentials_dir_tests {
+    use super::*;
+
+    #[test]
+    fn a_clusters_own_pair_first_then_the_shared_one_and_half_a_pair_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let creds = CredentialsDir(dir.path().to_owned());
+        assert!(creds.for_cluster("c1").unwrap().is_none());
+        let write = |name: &str, v: &str| std::fs::write(dir.path().join(name), v).unwrap();
+        write("userID", "shared\n");
+        write("userKey", "AQBsharedkey==\n");
+        write("c1.userID", "own");
+        write("c1.userKey", "AQBownkey==");
+        assert_eq!(creds.for_cluster("c1").unwrap().unwrap().user, "own");
+        assert_eq!(creds.for_cluster("c2").unwrap().unwrap().user, "shared");
+        // A cluster id that would climb out of the directory gets the
+        // shared pair.
+        assert_eq!(creds.for_cluster("../c1").unwrap().unwrap().user, "shared");
+        std::fs::remove_file(dir.path().join("c1.userKey")).unwrap();
+        let e = creds.for_cluster("c1").unwrap_err();
+        assert_eq!(e.code(), Code::FailedPrecondition);
+        assert!(e.message().contains("c1.userKey is missing"), "{e}");
+        write("c1.userKey", " \n");
+        let e = creds.for_cluster("c1").unwrap_err();
+        assert!(e.message().contains("c1.userKey is empty"), "{e}");
+        std::fs::write(dir.path().join("userKey"), "AQBsecretvalue==").unwrap();
+        std::fs::remove_file(dir.path().join("userID")).unwrap();
+        let e = creds.for_cluster("c2").unwrap_err();
+        assert!(e.message().contains("userID is missing"), "{e}");
+        assert!(!e.message().contains("AQB"), "{e}");
     }
 }

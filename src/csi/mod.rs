@@ -77,9 +77,19 @@ pub struct CsiArgs {
     #[arg(long, default_value = "/run/rbdkit/mapper.sock")]
     pub mapper_socket: PathBuf,
 
-    /// Where the node service keeps its index of staged volumes.
+    /// Where the node service keeps its index of staged volumes, and the
+    /// controller the pools it has seen volumes in.
     #[arg(long, default_value = "/var/lib/rbdkit/csi")]
     pub state_dir: PathBuf,
+
+    /// Credentials of the controller's own, for the calls that carry no
+    /// secrets (ListVolumes, ControllerListVolumeHealth, GetCapacity): a
+    /// directory, usually a mounted Secret, holding `userID` and `userKey`
+    /// (every cluster), or `<clusterID>.userID` and `<clusterID>.userKey`
+    /// (one). Without it those calls use the credentials an earlier call
+    /// brought, so right after a restart they know no cluster.
+    #[arg(long, value_name = "DIR")]
+    pub credentials_dir: Option<PathBuf>,
 
     /// The mapper for volumes whose class names none: `krbd` or
     /// `rbdkit-fuse` (default: krbd where /sys/bus/rbd exists).
@@ -236,7 +246,11 @@ pub async fn run_until(
         args.ceph_op_timeout.into(),
         Arc::new(NoMetrics),
     ));
-    let driver = Arc::new(driver::Driver::new(
+    let with_controller = args.mode != Mode::Node;
+    let with_node = args.mode != Mode::Controller;
+    std::fs::create_dir_all(&args.state_dir)
+        .with_context(|| format!("creating {}", args.state_dir.display()))?;
+    let mut driver = driver::Driver::new(
         args.driver_name.clone(),
         args.node_id.clone(),
         topology,
@@ -244,10 +258,20 @@ pub async fn run_until(
         Arc::clone(&conns),
         pool,
         Arc::new(NoMetrics),
-    ));
+    );
+    if with_controller {
+        driver = driver.with_pool_index(args.state_dir.join("controller-pools.json"));
+    }
+    if let Some(dir) = &args.credentials_dir {
+        anyhow::ensure!(
+            dir.is_dir(),
+            "--credentials-dir {}: not a directory",
+            dir.display()
+        );
+        driver = driver.with_credentials_dir(dir.clone());
+    }
+    let driver = Arc::new(driver);
 
-    let with_controller = args.mode != Mode::Node;
-    let with_node = args.mode != Mode::Controller;
     let mut ready_check: Option<identity::ReadyCheck> = None;
     let node_service = if with_node {
         if args.break_dead_locks || args.dead_lock_grace.is_some() {
@@ -258,8 +282,6 @@ pub async fn run_until(
             );
         }
         let (list, default) = mappers(&args)?;
-        std::fs::create_dir_all(&args.state_dir)
-            .with_context(|| format!("creating {}", args.state_dir.display()))?;
         if let Some(m) = list.iter().find(|m| m.name() == default).cloned() {
             ready_check = Some(Arc::new(move || m.ready()));
         }

@@ -64,6 +64,34 @@ pub fn volume_context(vol: &VolumeId, params: &ClassParams) -> BTreeMap<String, 
     ctx
 }
 
+/// The pools of `cluster` initialised for RBD (the `rbd` application
+/// enabled, as `rbd pool init` does), sorted: where volumes can be. One
+/// monitor command, `osd pool ls detail`, which needs only the monitors'
+/// read capability (`profile rbd` has it).
+pub fn rbd_pools(cluster: &crate::rados::Cluster) -> crate::Result<Vec<String>> {
+    let reply = cluster.mon_command(
+        r#"{"prefix": "osd pool ls", "detail": "detail", "format": "json"}"#,
+        &[],
+    )?;
+    let mut names = pools_with_application(&reply.output, "rbd")
+        .map_err(|why| crate::Error::invalid("osd pool ls", "detail", why))?;
+    names.sort();
+    Ok(names)
+}
+
+/// The pools of an `osd pool ls detail` JSON reply whose
+/// `application_metadata` names `application`.
+fn pools_with_application(json: &[u8], application: &str) -> Result<Vec<String>, String> {
+    let v: serde_json::Value =
+        serde_json::from_slice(json).map_err(|e| format!("unreadable reply: {e}"))?;
+    let pools = v.as_array().ok_or("the reply is not a list of pools")?;
+    Ok(pools
+        .iter()
+        .filter(|p| p["application_metadata"].get(application).is_some())
+        .filter_map(|p| p["pool_name"].as_str().map(str::to_owned))
+        .collect())
+}
+
 /// Where the volume operations report what they did, for metrics.
 ///
 /// The provisioner and the CSI server each implement it on their own
@@ -114,4 +142,22 @@ pub struct NoMetrics;
 impl CephObserver for NoMetrics {
     fn ceph_op(&self, _op: &str, _started: Instant) {}
     fn set_connections(&self, _n: usize) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rbd_pools_are_those_with_the_application() {
+        let reply = br#"[
+            {"pool_name": ".mgr", "application_metadata": {"mgr": {}}},
+            {"pool_name": "kube", "application_metadata": {"rbd": {}}},
+            {"pool_name": "fs", "application_metadata": {"cephfs": {"data": "fs"}}},
+            {"pool_name": "new", "application_metadata": {}}
+        ]"#;
+        assert_eq!(pools_with_application(reply, "rbd").unwrap(), vec!["kube"]);
+        assert!(pools_with_application(b"{}", "rbd").is_err());
+        assert!(pools_with_application(b"not json", "rbd").is_err());
+    }
 }

@@ -769,15 +769,24 @@ async fn snapshots_restores_and_clones() {
 /// the whole list's, and nothing was listed.
 #[tokio::test(flavor = "multi_thread")]
 async fn list_volume_health_reports_an_unreadable_pool_and_lists_the_others() {
+    let creds = tempfile::tempdir().unwrap();
+    let dir = creds.path().display().to_string();
     let mut env = CsiEnv::with_ns(
         std::sync::Arc::new(support::ceph::TestNs::new("csi-hlist")),
         support::ceph::unique("csi-hlist"),
         Mode::Controller,
         "node-a",
-        &["--ceph-op-timeout", "5s"],
+        &["--ceph-op-timeout", "5s", "--credentials-dir", &dir],
     )
     .await;
     let other = support::ceph::PrivateCluster::start("hlist");
+    // The controller's own credentials, read at each use: the test user
+    // for every cluster, admin for the other one.
+    let write = |name: &str, v: &str| std::fs::write(creds.path().join(name), v).unwrap();
+    write("userID", support::ceph::PROVISIONER_USER);
+    write("userKey", &support::ceph::provisioner_key());
+    write("hlist-other.userID", "admin");
+    write("hlist-other.userKey", &other.admin_key());
     let mut config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(env.path("config.json")).unwrap()).unwrap();
     config.as_array_mut().unwrap().push(serde_json::json!({
@@ -839,11 +848,106 @@ async fn list_volume_health_reports_an_unreadable_pool_and_lists_the_others() {
         .await
         .unwrap_or_else(|e| panic!("one unreadable pool failed the whole list: {e}"))
         .into_inner();
-    let ids: Vec<&str> = after.entries.iter().map(|e| e.volume_id.as_str()).collect();
-    assert_eq!(ids, vec![gone.as_str()], "{after:?}");
-    let h = &after.entries[0].health_statuses[0];
-    assert_eq!(h.reason, "PoolUnreadable", "{h:?}");
-    assert!(h.message.contains("\"hlist-other\""), "{h:?}");
-    assert!(!ids.contains(&live.as_str()));
+    let check = |after: &rbdkit::csi::proto::ControllerListVolumeHealthResponse| {
+        let ids: Vec<&str> = after.entries.iter().map(|e| e.volume_id.as_str()).collect();
+        assert_eq!(ids, vec![gone.as_str()], "{after:?}");
+        let h = &after.entries[0].health_statuses[0];
+        assert_eq!(h.reason, "PoolUnreadable", "{h:?}");
+        assert!(h.message.contains("\"hlist-other\""), "{h:?}");
+        assert!(!ids.contains(&live.as_str()));
+    };
+    check(&after);
+    // A restarted controller still knows what was in the pool it cannot
+    // read (its index in --state-dir), and does not call it healthy.
+    env.csi.restart();
+    let restarted = env
+        .controller()
+        .await
+        .controller_list_volume_health(ControllerListVolumeHealthRequest::default())
+        .await
+        .unwrap_or_else(|e| panic!("after a restart: {e}"))
+        .into_inner();
+    check(&restarted);
     drop(other);
+}
+
+/// ListVolumes and ControllerListVolumeHealth carry no secrets. After a
+/// kill -9 and restart, a controller with credentials of its own
+/// (`--credentials-dir`, a mounted Secret) lists every volume at once: the
+/// pools come from its index in `--state-dir`, and without that (a new
+/// pod) from the cluster's RBD pools. A pool the user may not read (the
+/// provisioner user has `profile rbd` on the test pool only) is skipped.
+/// Before, a restarted controller knew no pool, and listed nothing, until
+/// a call with secrets brought one.
+#[tokio::test(flavor = "multi_thread")]
+async fn lists_know_every_volume_after_a_restart() {
+    let creds = tempfile::tempdir().unwrap();
+    let cluster_id = support::ceph::unique("csi-relist");
+    std::fs::write(
+        creds.path().join(format!("{cluster_id}.userID")),
+        support::ceph::PROVISIONER_USER,
+    )
+    .unwrap();
+    std::fs::write(
+        creds.path().join(format!("{cluster_id}.userKey")),
+        support::ceph::provisioner_key(),
+    )
+    .unwrap();
+    let dir = creds.path().display().to_string();
+    let mut env = CsiEnv::with_ns(
+        std::sync::Arc::new(support::ceph::TestNs::new("csi-relist")),
+        cluster_id,
+        Mode::Controller,
+        "node-a",
+        &["--credentials-dir", &dir],
+    )
+    .await;
+    let mut made = Vec::new();
+    for i in 0..2 {
+        made.push(
+            env.create_volume(&format!("pvc-relist-{i}"), 8 * MIB, mount_cap("ext4"))
+                .await,
+        );
+    }
+    made.sort();
+    let listed = |env: &CsiEnv| {
+        let socket = env.path("csi.sock");
+        async move {
+            let mut ctl = rbdkit::csi::proto::controller_client::ControllerClient::new(
+                support::csi::channel(&socket).await,
+            );
+            let mut ids: Vec<String> = ctl
+                .list_volumes(ListVolumesRequest::default())
+                .await
+                .unwrap_or_else(|e| panic!("ListVolumes: {e}"))
+                .into_inner()
+                .entries
+                .into_iter()
+                .map(|e| e.volume.unwrap().volume_id)
+                .collect();
+            ids.sort();
+            let health = ctl
+                .controller_list_volume_health(ControllerListVolumeHealthRequest::default())
+                .await
+                .unwrap_or_else(|e| panic!("ControllerListVolumeHealth: {e}"))
+                .into_inner();
+            assert!(health.entries.is_empty(), "{health:?}");
+            ids
+        }
+    };
+    assert_eq!(listed(&env).await, made);
+    env.csi.restart();
+    assert_eq!(
+        listed(&env).await,
+        made,
+        "after a restart, with the pool index"
+    );
+    std::fs::remove_file(env.path("csi-state/controller-pools.json"))
+        .expect("the controller keeps its pool index in --state-dir");
+    env.csi.restart();
+    assert_eq!(
+        listed(&env).await,
+        made,
+        "after a restart, found in the cluster"
+    );
 }
