@@ -72,12 +72,15 @@
 //! here and in the daemon; anything else is refused with an error naming
 //! the option:
 //! - `queue_depth=N`: the loop device's `nr_requests` (4 to the loop
-//!   driver's `hw_queue_depth`, 128 by default). The default is
-//!   [`VOLUME_QUEUE_DEPTH`] (32): an eighth of the FUSE connection's
-//!   budget of requests in flight (256), which all volumes of the mapper
-//!   share, so that volumes whose pools stall (up to seven at once) cannot
-//!   take all of it and stall the others. A higher one lets one volume
-//!   take more, at that risk.
+//!   driver's `hw_queue_depth`, 128 by default; default
+//!   [`VOLUME_QUEUE_DEPTH`], 32). Every volume of the mapper shares one
+//!   FUSE connection, whose kernel budget of requests in flight
+//!   ([`crate::node::fuse_kernel::MAX_BACKGROUND`], 1024) each volume
+//!   reserves its queue depth of at attach: a volume whose pool stalls
+//!   holds at most its own part, so the others never wait for it. An
+//!   attach that would take more than is left is refused (`NoSpace`,
+//!   naming what is reserved): 32 volumes at the default depth, more at a
+//!   smaller one.
 //! - `block_size=N`: the loop device's logical block size (512, 1024, 2048
 //!   or 4096; default 512, as krbd's, so an XFS with 512-byte sectors or an
 //!   ext4 with 1 KiB blocks made on a krbd device mounts here too).
@@ -189,10 +192,15 @@ enum ValueKind {
     OneOf(&'static [&'static str]),
 }
 
-/// The default `queue_depth` of a mapping: an eighth of the FUSE
-/// connection's `max_background`, so seven volumes stalled at once leave
-/// the last eighth to the rest (see the module docs).
-pub const VOLUME_QUEUE_DEPTH: u32 = crate::node::fuse_kernel::MAX_BACKGROUND as u32 / 8;
+/// The default `queue_depth` of a mapping, which it reserves of the FUSE
+/// connection's `max_background` (see the module docs).
+pub const VOLUME_QUEUE_DEPTH: u32 = 32;
+
+/// The queue depth a mapping with these options has, and reserves.
+pub fn queue_depth_of(opts: &FuseMapOptions) -> u32 {
+    opts.queue_depth
+        .unwrap_or_else(|| VOLUME_QUEUE_DEPTH.min(loop_hw_queue_depth()))
+}
 
 /// The loop driver's tag-set depth (`hw_queue_depth` module parameter):
 /// the most `nr_requests` a loop device takes.

@@ -26,6 +26,26 @@
 //! worker killed then lost it while the next `fsync`, served by the new
 //! worker with nothing to flush, succeeded.
 //!
+//! # Isolation
+//! Every image is served through one FUSE connection, and the kernel lets
+//! that connection have [`fk::MAX_BACKGROUND`] background requests in
+//! flight. A request to a pool that stalls (full, placement groups
+//! inactive, cluster gone) holds its part until librados times it out, so
+//! a shared budget would let a few stalled volumes take it all and stall
+//! every other volume of the node. So each attach reserves its device's
+//! queue depth of the budget (a loop device never has more requests in
+//! flight than its `nr_requests`, and each is one FUSE request), and one
+//! that would take more than is left is refused: stalled volumes hold
+//! only their own parts. The journal has a slot for every request the
+//! budget allows plus two synchronous ones per volume, so a reader never
+//! waits for a slot either. A FUSE connection per volume would isolate as
+//! well, at the price of a mount, reader threads and a journal per volume
+//! and a supervisor holding all of them; the reservation gives the same
+//! bound with one. Connections to one cluster are shared per user and
+//! key; librados' own throttle of ops in flight per client was not what
+//! held a healthy pool up in `tests/it/node_fuse.rs`
+//! (`a_full_queue_on_many_stalled_volumes_holds_up_no_volume_of_another_pool`).
+//!
 //! # State, crash and restart
 //! Two processes (see [`crate::node::fuse_supervisor`]): a supervisor that
 //! only holds the `/dev/fuse` fds and the keys and restarts the worker, and
@@ -813,6 +833,22 @@ struct Table {
     /// Recorded before a restart, device dead, not yet attached again.
     stale: BTreeMap<String, Record>,
     next_ino: u64,
+    /// Attaches under way, with the queue depth each reserved.
+    attaching: BTreeMap<String, u32>,
+}
+
+/// An attach's part of the FUSE connection's budget (see
+/// [`Daemon::reserve`]), given back when the attach ends; a mapping that
+/// went live holds its part through its record from then on.
+struct Reservation<'a> {
+    daemon: &'a Daemon,
+    vol: String,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        self.daemon.lock_table().attaching.remove(&self.vol);
+    }
 }
 
 struct Daemon {
@@ -1344,6 +1380,7 @@ impl Daemon {
             });
         }
 
+        let _reserved = self.reserve(&vol, crate::node::fuse::queue_depth_of(&opts))?;
         let read_only = spec.read_only || spec.snapshot.is_some() || opts.read_only;
         let before_restart = self.lock_table().stale.get(&vol).cloned();
         let (conn_key, cluster) = self.connect(&spec, &opts)?;
@@ -1610,6 +1647,52 @@ impl Daemon {
     /// end: each is bounded by the op timeout.
     fn drain_timeout(&self) -> Duration {
         DRAIN_TIMEOUT.max(self.timeout + Duration::from_secs(5))
+    }
+
+    /// Reserves `depth` of the FUSE connection's budget of requests in
+    /// flight ([`fk::MAX_BACKGROUND`]) for `vol`'s attach. Mappings hold
+    /// their queue depth of it, and so do attaches under way and detached
+    /// images whose requests still drain: a device never has more requests
+    /// in flight than its queue depth, so volumes whose pools stall hold
+    /// only their own parts, and the kernel always has room for the
+    /// others'. Refused (`NoSpace`) when the rest is too small.
+    fn reserve(&self, vol: &str, depth: u32) -> Result<Reservation<'_>> {
+        let draining: Vec<u32> = self
+            .lock_closing()
+            .values()
+            .map(|(_, rec, _)| crate::node::fuse::queue_depth_of(&rec.options))
+            .collect();
+        let mut t = self.lock_table();
+        let held: u32 = t
+            .live
+            .values()
+            .map(|l| crate::node::fuse::queue_depth_of(&l.rec.options))
+            .chain(t.attaching.values().copied())
+            .chain(draining.iter().copied())
+            .sum();
+        let volumes = t.live.len() + t.attaching.len() + draining.len();
+        let budget = u32::from(fk::MAX_BACKGROUND);
+        if held + depth > budget || volumes >= fk::MAX_VOLUMES {
+            return Err(Error::with_kind(
+                ErrorKind::NoSpace,
+                libc::ENOSPC,
+                "attach",
+                vol.to_owned(),
+                format!(
+                    "this mapper's FUSE connection has {} of its {budget} requests in flight \
+                     left ({held} reserved by {volumes} volumes, at most {} volumes) and this \
+                     volume's queue_depth is {depth}: detach a volume, or map with a smaller \
+                     queue_depth",
+                    budget.saturating_sub(held),
+                    fk::MAX_VOLUMES
+                ),
+            ));
+        }
+        t.attaching.insert(vol.to_owned(), depth);
+        Ok(Reservation {
+            daemon: self,
+            vol: vol.to_owned(),
+        })
     }
 
     fn lock_closing(&self) -> std::sync::MutexGuard<'_, HashMap<String, Closing>> {
@@ -1887,8 +1970,8 @@ fn break_dead_lock(image: &Image, old: &Record) {
 /// Sets up a freshly bound device: requests of at most 1 MiB
 /// (`max_sectors_kb`), so that each is one FUSE request (the loop driver's
 /// default of 1280 KiB splits a 4 MiB read into seven uneven ones), and the
-/// `queue_depth` option (default: the most the driver allows) as
-/// `nr_requests`.
+/// `queue_depth` option (default [`crate::node::fuse::VOLUME_QUEUE_DEPTH`],
+/// what the attach reserved) as `nr_requests`.
 fn tune_device(dev: &Path, opts: &FuseMapOptions) -> Result<()> {
     let kib = fk::MAX_WRITE / 1024;
     if let Err(e) = loopdev::set_queue_attr(dev, "max_sectors_kb", &kib.to_string()) {
@@ -1896,9 +1979,7 @@ fn tune_device(dev: &Path, opts: &FuseMapOptions) -> Result<()> {
     }
     // Always written: a loop device keeps its queue settings across binds,
     // so a reused one would inherit the previous mapping's.
-    let n = opts.queue_depth.unwrap_or_else(|| {
-        crate::node::fuse::VOLUME_QUEUE_DEPTH.min(crate::node::fuse::loop_hw_queue_depth())
-    });
+    let n = crate::node::fuse::queue_depth_of(opts);
     loopdev::set_queue_attr(dev, "nr_requests", &n.to_string())?;
     Ok(())
 }

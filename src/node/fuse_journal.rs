@@ -46,10 +46,13 @@ pub const REPLY_MAX: usize = 1024;
 pub const DIR_AT: usize = 2 * DATA_AT;
 /// One slot: a control page plus the largest WRITE's data.
 pub const SLOT_SIZE: usize = DATA_AT + MAX_WRITE as usize;
-/// Slots: more than the kernel has in flight (`max_background` plus the
-/// synchronous requests), so readers rarely wait for one: requests a
-/// stalled volume holds never take the last free slot from the others.
-pub const SLOTS: usize = crate::node::fuse_kernel::MAX_BACKGROUND as usize + 64;
+/// Slots: more than the kernel can have in flight (`max_background`, plus
+/// two synchronous requests per volume, plus the filesystem's own), so a
+/// reader never waits for one while requests a stalled volume holds keep
+/// theirs. Sparse: a slot's pages exist only while a request uses them.
+pub const SLOTS: usize = crate::node::fuse_kernel::MAX_BACKGROUND as usize
+    + 2 * crate::node::fuse_kernel::MAX_VOLUMES
+    + 64;
 
 /// Free slots kept populated when idle (the most recently used ones: at
 /// least one per reader thread waits in `read(2)` at any time).

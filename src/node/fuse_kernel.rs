@@ -33,10 +33,18 @@ const KERNEL_MINOR_VERSION: u32 = 40;
 
 /// `max_background` in `fuse_init_out`: the kernel's budget of background
 /// requests (asynchronous direct I/O, readahead) in flight on the
-/// connection, which every volume of the mapper shares. Eight volumes'
-/// default queue depths ([`crate::node::fuse::VOLUME_QUEUE_DEPTH`]): seven
-/// volumes stalled at once leave an eighth of it to the others.
-pub const MAX_BACKGROUND: u16 = 256;
+/// connection. Every volume of the mapper shares the connection, so each
+/// reserves its device's queue depth of it at attach, and an attach that
+/// would take more than is left is refused: volumes whose pools stall can
+/// hold only what they reserved, never another volume's part (see
+/// [`crate::node::fuse`]). 32 volumes at the default queue depth.
+pub const MAX_BACKGROUND: u16 = 1024;
+
+/// The most volumes a mapper serves at once (each reserves at least the
+/// smallest queue depth, 4, of [`MAX_BACKGROUND`]); the journal keeps two
+/// slots per volume for its synchronous requests (flush, discard) beyond
+/// the background budget.
+pub const MAX_VOLUMES: usize = MAX_BACKGROUND as usize / 4;
 
 /// Largest WRITE payload we accept: 1 MiB.
 pub const MAX_WRITE: u32 = 1 << 20;

@@ -2028,3 +2028,175 @@ fn stalled_pools_hold_up_no_other_volume() {
         d.mapper().unmap(&format!("vol-sick{v}"), &[]).unwrap();
     }
 }
+
+/// Nine volumes of one pool that stalls (its placement groups inactive),
+/// each with a full queue of 1 MiB direct writes in flight (288 requests,
+/// 288 MiB: more than the old connection budget of 256 requests, and more
+/// than librados' default 100 MiB of ops in flight per client), leave a
+/// volume of another pool *of the same cluster and user*, served through
+/// the same librados client, alone: a 4 KiB write and fsync there
+/// completes while every stalled write still waits.
+#[test]
+fn a_full_queue_on_many_stalled_volumes_holds_up_no_volume_of_another_pool() {
+    const SICK: usize = 9;
+    let tmp = tempdir("stall-many");
+    let d = Daemon::start_with(tmp.path(), &["--timeout", "90s"]);
+    let other = support::ceph::PrivateCluster::start("stallmany");
+    let admin = other.connect();
+    admin.pool_create("sick").unwrap();
+    let sick_io = admin.ioctx("sick").unwrap();
+    sick_io.application_enable("rbd", true).unwrap();
+    rbd::pool_init(&sick_io, true).unwrap();
+    rbd::create(
+        &admin.ioctx(POOL).unwrap(),
+        "ok",
+        16 * MIB,
+        &ImageOptions::new(),
+    )
+    .unwrap();
+    let depth = rbdkit::node::fuse::VOLUME_QUEUE_DEPTH as usize;
+    let mut sick_devs = Vec::new();
+    for v in 0..SICK {
+        let image = format!("sick{v}");
+        rbd::create(&sick_io, &image, 64 * MIB, &ImageOptions::new()).unwrap();
+        let mut s = private_spec(&other, &format!("vol-sick{v}"), &image);
+        s.pool = "sick".into();
+        sick_devs.push(d.mapper().map(&s).unwrap());
+    }
+    let ok_dev = d
+        .mapper()
+        .map(&private_spec(&other, "vol-ok", "ok"))
+        .unwrap();
+    let pool_set = |var: &str, val: &str| {
+        let cmd =
+            serde_json::json!({"prefix": "osd pool set", "pool": "sick", "var": var, "val": val});
+        admin.mon_command(&cmd.to_string(), &[]).unwrap();
+    };
+    pool_set("size", "2");
+    pool_set("min_size", "2");
+    // Until none of the sick pool's PGs is active.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let out = admin
+            .mon_command(
+                r#"{"prefix": "pg ls-by-pool", "poolstr": "sick", "format": "json"}"#,
+                &[],
+            )
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.output).unwrap();
+        let states: Vec<String> = v["pg_stats"]
+            .as_array()
+            .expect("pg_stats")
+            .iter()
+            .map(|p| p["state"].as_str().unwrap_or_default().to_owned())
+            .collect();
+        if !states.is_empty() && states.iter().all(|s| !s.contains("active")) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the sick pool's PGs stay active: {states:?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let writers: Vec<_> = (0..SICK * depth)
+        .map(|i| {
+            let dev = sick_devs[i % SICK].clone();
+            let done = std::sync::Arc::clone(&done);
+            std::thread::spawn(move || {
+                let f = open_direct(&dev, true);
+                let mut a = Aligned::new(MIB as usize);
+                a.get().fill(i as u8);
+                let r = f.write_all_at(a.get(), (i / SICK) as u64 * MIB);
+                done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                r
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(
+        done.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "the pool did not stall"
+    );
+    let t = Instant::now();
+    write_direct(&ok_dev, 0, &pattern(9, 4096));
+    let took = t.elapsed();
+    let stalled_done = done.load(std::sync::atomic::Ordering::SeqCst);
+    eprintln!(
+        "4 KiB write + fsync to the healthy volume: {took:?}; stalled writes done by then: {stalled_done}"
+    );
+    pool_set("min_size", "1");
+    for w in writers {
+        w.join()
+            .unwrap()
+            .expect("a write to the stalled pool once it is active again");
+    }
+    assert_eq!(
+        stalled_done, 0,
+        "the healthy volume's write waited for the stalled pool ({took:?})"
+    );
+    d.mapper().unmap("vol-ok", &[]).unwrap();
+    for v in 0..SICK {
+        d.mapper().unmap(&format!("vol-sick{v}"), &[]).unwrap();
+    }
+}
+
+/// Each mapping reserves its queue depth of the FUSE connection's budget
+/// (1024 requests in flight); an attach that would take more than is left
+/// is refused with an error naming what is reserved, and leaves nothing
+/// behind (no device, no record); a detach gives its part back.
+#[test]
+fn an_attach_beyond_the_connections_budget_is_refused_and_leaves_nothing() {
+    let ns = TestNs::new("fuse-budget");
+    let tmp = tempdir("budget");
+    let d = Daemon::start(tmp.path());
+    let full = rbdkit::node::fuse_kernel::MAX_BACKGROUND as usize / 128;
+    let mut devs = Vec::new();
+    for v in 0..=full {
+        rbd::create(&ns.ioctx, &format!("b{v}"), 8 * MIB, &ImageOptions::new()).unwrap();
+    }
+    for v in 0..full {
+        let mut s = spec(&ns, &format!("vol-b{v}"), &format!("b{v}"));
+        s.options = vec!["queue_depth=128".into()];
+        devs.push(d.mapper().map(&s).unwrap());
+    }
+    let before = loop_devices_bound(tmp.path());
+    let mut s = spec(&ns, "vol-over", &format!("b{full}"));
+    s.options = vec!["queue_depth=4".into()];
+    let e = d.mapper().map(&s).expect_err("an attach beyond the budget");
+    assert_eq!(e.kind(), rbdkit::ErrorKind::NoSpace, "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("vol-over") && msg.contains("1024 reserved by 8 volumes"),
+        "{msg}"
+    );
+    assert_eq!(
+        loop_devices_bound(tmp.path()),
+        before,
+        "the refused attach bound a device"
+    );
+    assert!(
+        d.mapper().status("vol-over").unwrap().is_none(),
+        "the refused attach left a record"
+    );
+    d.mapper().unmap("vol-b0", &[]).unwrap();
+    let dev = d.mapper().map(&s).expect("room once a volume is detached");
+    write_direct(&dev, 0, &pattern(1, 4096));
+    d.mapper().unmap("vol-over", &[]).unwrap();
+    for v in 1..full {
+        d.mapper().unmap(&format!("vol-b{v}"), &[]).unwrap();
+    }
+}
+
+/// Loop devices bound to a file under `dir` now.
+fn loop_devices_bound(dir: &Path) -> usize {
+    std::fs::read_dir("/sys/block")
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("loop"))
+        .filter_map(|e| std::fs::read_to_string(e.path().join("loop/backing_file")).ok())
+        .filter(|f| Path::new(f.trim()).starts_with(dir))
+        .count()
+}
