@@ -77,6 +77,12 @@ pub struct CsiArgs {
     #[arg(long, default_value = "/run/rbdkit/mapper.sock")]
     pub mapper_socket: PathBuf,
 
+    /// How long a NodeStage waits for the userspace mapper's attach; one
+    /// given up on is unmapped before the stage fails (the mapper may
+    /// still complete it).
+    #[arg(long, default_value = "120s")]
+    pub mapper_attach_timeout: humantime::Duration,
+
     /// Where the node service keeps its index of staged volumes, and the
     /// controller the pools it has seen volumes in.
     #[arg(long, default_value = "/var/lib/rbdkit/csi")]
@@ -191,9 +197,10 @@ fn bind(path: &Path) -> anyhow::Result<tokio::net::UnixListener> {
 /// The mappers this node can use, and the default.
 fn mappers(args: &CsiArgs) -> anyhow::Result<(Vec<Arc<dyn Mapper>>, String)> {
     let krbd_ok = args.sysfs_root.join("bus/rbd").exists();
-    let mut list: Vec<Arc<dyn Mapper>> = vec![Arc::new(crate::node::fuse::FuseMapper::new(
-        args.mapper_socket.clone(),
-    ))];
+    let mut list: Vec<Arc<dyn Mapper>> = vec![Arc::new(
+        crate::node::fuse::FuseMapper::new(args.mapper_socket.clone())
+            .with_attach_timeout(args.mapper_attach_timeout.into()),
+    )];
     if krbd_ok {
         list.push(Arc::new(crate::node::krbd::KrbdMapper::with_roots(
             args.sysfs_root.clone(),

@@ -118,9 +118,9 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::node::{MapSpec, Mapper};
 use crate::rados::Secret;
 
-/// How long `attach` may take: connecting (30 s bound in the daemon) plus
-/// opening the image and binding the device.
-const ATTACH_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long `attach` may take by default: connecting (30 s bound in the
+/// daemon) plus opening the image and binding the device.
+pub const ATTACH_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long any other request may take.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -472,6 +472,11 @@ pub struct ControlResponse {
 pub struct FuseMapper {
     /// The daemon's control socket (`--socket`).
     pub socket: PathBuf,
+    /// How long [`Mapper::map`] waits for the daemon's answer
+    /// ([`ATTACH_TIMEOUT`] by default). An attach given up on may still
+    /// complete in the daemon; the caller unmaps it (the daemon's per-volume
+    /// lock makes that unmap wait for the attach).
+    pub attach_timeout: Duration,
 }
 
 impl FuseMapper {
@@ -479,7 +484,14 @@ impl FuseMapper {
     pub fn new(socket: impl Into<PathBuf>) -> FuseMapper {
         FuseMapper {
             socket: socket.into(),
+            attach_timeout: ATTACH_TIMEOUT,
         }
+    }
+
+    /// The same, waiting at most `t` for an attach.
+    pub fn with_attach_timeout(mut self, t: Duration) -> FuseMapper {
+        self.attach_timeout = t;
+        self
     }
 
     /// Sends one request and waits (at most `timeout`) for the answer. A
@@ -588,7 +600,7 @@ impl Mapper for FuseMapper {
     fn map(&self, spec: &MapSpec) -> Result<PathBuf> {
         // Checked here too, so a bad StorageClass fails before the daemon.
         FuseMapOptions::parse(&spec.options, &spec.volume_id)?;
-        let r = self.call_ok(&ControlRequest::Attach(spec.into()), ATTACH_TIMEOUT)?;
+        let r = self.call_ok(&ControlRequest::Attach(spec.into()), self.attach_timeout)?;
         r.device.map(PathBuf::from).ok_or_else(|| {
             Error::invalid(
                 "rbdkit-fuse",

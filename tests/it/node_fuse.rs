@@ -2067,38 +2067,8 @@ fn a_full_queue_on_many_stalled_volumes_holds_up_no_volume_of_another_pool() {
         .mapper()
         .map(&private_spec(&other, "vol-ok", "ok"))
         .unwrap();
-    let pool_set = |var: &str, val: &str| {
-        let cmd =
-            serde_json::json!({"prefix": "osd pool set", "pool": "sick", "var": var, "val": val});
-        admin.mon_command(&cmd.to_string(), &[]).unwrap();
-    };
-    pool_set("size", "2");
-    pool_set("min_size", "2");
-    // Until none of the sick pool's PGs is active.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let out = admin
-            .mon_command(
-                r#"{"prefix": "pg ls-by-pool", "poolstr": "sick", "format": "json"}"#,
-                &[],
-            )
-            .unwrap();
-        let v: serde_json::Value = serde_json::from_slice(&out.output).unwrap();
-        let states: Vec<String> = v["pg_stats"]
-            .as_array()
-            .expect("pg_stats")
-            .iter()
-            .map(|p| p["state"].as_str().unwrap_or_default().to_owned())
-            .collect();
-        if !states.is_empty() && states.iter().all(|s| !s.contains("active")) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the sick pool's PGs stay active: {states:?}"
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    let pool_set = |var: &str, val: &str| pool_set(&admin, "sick", var, val);
+    stall_pool(&admin, "sick");
     let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let writers: Vec<_> = (0..SICK * depth)
         .map(|i| {
@@ -2199,4 +2169,114 @@ fn loop_devices_bound(dir: &Path) -> usize {
         .filter_map(|e| std::fs::read_to_string(e.path().join("loop/backing_file")).ok())
         .filter(|f| Path::new(f.trim()).starts_with(dir))
         .count()
+}
+
+fn pool_set(admin: &rbdkit::rados::Cluster, pool: &str, var: &str, val: &str) {
+    let cmd = serde_json::json!({"prefix": "osd pool set", "pool": pool, "var": var, "val": val});
+    admin.mon_command(&cmd.to_string(), &[]).unwrap();
+}
+
+/// Makes `pool` of a one-OSD cluster stall (two copies wanted, both
+/// needed) and waits until none of its PGs is active; `pool_set(...,
+/// "min_size", "1")` lets it go on.
+fn stall_pool(admin: &rbdkit::rados::Cluster, pool: &str) {
+    pool_set(admin, pool, "size", "2");
+    pool_set(admin, pool, "min_size", "2");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let cmd = serde_json::json!({"prefix": "pg ls-by-pool", "poolstr": pool, "format": "json"});
+    loop {
+        let out = admin.mon_command(&cmd.to_string(), &[]).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.output).unwrap();
+        let states: Vec<String> = v["pg_stats"]
+            .as_array()
+            .expect("pg_stats")
+            .iter()
+            .map(|p| p["state"].as_str().unwrap_or_default().to_owned())
+            .collect();
+        if !states.is_empty() && states.iter().all(|s| !s.contains("active")) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the PGs of {pool} stay active: {states:?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// NodeUnstage's detach, which releases the staging lock, closes the image
+/// first: with a write to the image's stalled data pool in flight, the
+/// lock is released only once the image is closed (no watch of the mapper
+/// left on it), so no write of this node can land after another node took
+/// the lock. Here the write fails at the op timeout, the device unbinds,
+/// and closing the image waits for librbd's flush to time out too: a
+/// release before the close would be seen with the image still open. (The
+/// header is in a healthy pool, so the lock can be read all along.)
+#[test]
+fn a_detach_releases_the_staging_lock_only_once_the_image_is_closed() {
+    use rbdkit::node::stage_lock::{Acquired, ImageLock, LockMode};
+    let tmp = tempdir("close-first");
+    let d = Daemon::start_with(tmp.path(), &["--timeout", "8s"]);
+    let other = support::ceph::PrivateCluster::start("closefirst");
+    let admin = other.connect();
+    admin.pool_create("data").unwrap();
+    admin
+        .ioctx("data")
+        .unwrap()
+        .application_enable("rbd", true)
+        .unwrap();
+    rbd::create(
+        &admin.ioctx(POOL).unwrap(),
+        "img",
+        64 * MIB,
+        &ImageOptions::new().data_pool("data"),
+    )
+    .unwrap();
+    let lock = ImageLock::open(&admin, POOL, "", "img").unwrap();
+    assert!(matches!(
+        lock.acquire(LockMode::Exclusive, "node-a").unwrap(),
+        Acquired::Taken
+    ));
+    let dev = d
+        .mapper()
+        .map(&private_spec(&other, "vol-cf", "img"))
+        .unwrap();
+    write_direct(&dev, 0, &pattern(1, 4096));
+    stall_pool(&admin, "data");
+    let writer = {
+        let dev = dev.clone();
+        std::thread::spawn(move || {
+            let f = open_direct(&dev, true);
+            let mut a = Aligned::new(4096);
+            a.get().copy_from_slice(&pattern(2, 4096));
+            f.write_all_at(a.get(), 0)
+        })
+    };
+    std::thread::sleep(Duration::from_secs(1));
+    let socket = d.socket();
+    let unmap = std::thread::spawn(move || {
+        FuseMapper::new(socket).unmap_releasing("vol-cf", &["force".to_owned()], "node-a")
+    });
+    // The first moment the lock is seen gone: who still has the image open.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let open_at_release = loop {
+        if !lock.holds(LockMode::Exclusive, "node-a").unwrap() {
+            break lock.watchers().unwrap();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the lock was never released: {}",
+            d.all_logs()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let released = unmap.join().unwrap().expect("the detach");
+    let wrote = writer.join().unwrap();
+    pool_set(&admin, "data", "min_size", "1");
+    assert!(
+        open_at_release.is_empty(),
+        "the lock was released while the mapper still had the image open: {open_at_release:?}"
+    );
+    assert!(wrote.is_err(), "the stalled write succeeded");
+    assert!(released, "the detach did not say it released the lock");
 }

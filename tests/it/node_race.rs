@@ -462,3 +462,118 @@ fn break_node_spares_an_image_open_outside_the_fence() {
         "a repeat"
     );
 }
+
+/// A NodeStage that gives up on the mapper's attach (its client timeout)
+/// while the mapper still completes it: the stage unmaps it before it
+/// lets go of its lock and record, so nothing stays mapped that no stash
+/// knows, and the retry stages normally. The attach is held up by a
+/// monitor that hangs (SIGSTOP): the node service's own connection works
+/// on (OSD ops), the mapper's new client waits for the monitor.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_attach_the_stage_gave_up_on_is_undone_when_it_completes() {
+    let mut a = CsiEnv::with_ns(
+        std::sync::Arc::new(TestNs::new("race-late")),
+        support::ceph::unique("race-late"),
+        Mode::All,
+        "node-a",
+        &["--mapper-attach-timeout", "4s"],
+    )
+    .await;
+    let other = support::ceph::PrivateCluster::start("late");
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(a.path("config.json")).unwrap()).unwrap();
+    config.as_array_mut().unwrap().push(serde_json::json!({
+        "clusterID": "late-other",
+        "monitors": [other.conf_value("mon host").unwrap()],
+    }));
+    std::fs::write(a.path("config.json"), config.to_string()).unwrap();
+    a.csi.restart();
+    let secrets = std::collections::HashMap::from([
+        ("userID".to_owned(), "admin".to_owned()),
+        ("userKey".to_owned(), other.admin_key()),
+    ]);
+    let id = a
+        .controller()
+        .await
+        .create_volume(rbdkit::csi::proto::CreateVolumeRequest {
+            name: "pvc-late".into(),
+            capacity_range: Some(rbdkit::csi::proto::CapacityRange {
+                required_bytes: 32 * MIB,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![mount_cap("ext4")],
+            parameters: std::collections::HashMap::from([
+                ("clusterID".to_owned(), "late-other".to_owned()),
+                ("pool".to_owned(), POOL.to_owned()),
+            ]),
+            secrets: secrets.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("create: {e}"))
+        .into_inner()
+        .volume
+        .unwrap()
+        .volume_id;
+    let sa = staging(&a, "late");
+    let mut req = a.stage_request(&id, &sa, mount_cap("ext4"));
+    req.secrets = secrets;
+    let stage = |req: rbdkit::csi::proto::NodeStageVolumeRequest| {
+        let socket = a.socket.clone();
+        async move {
+            rbdkit::csi::proto::node_client::NodeClient::new(support::csi::channel(&socket).await)
+                .node_stage_volume(req)
+                .await
+        }
+    };
+
+    other.pause_daemon("mon.a", true);
+    let pending = tokio::spawn(stage(req.clone()));
+    // Past the 4 s the stage waits for the attach, then the monitor
+    // answers again and the attach completes in the mapper.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let attaching = mapper(&a).list().unwrap_or_default();
+    other.pause_daemon("mon.a", false);
+    let e = tokio::time::timeout(Duration::from_secs(120), pending)
+        .await
+        .expect("the stage never returned")
+        .unwrap()
+        .expect_err("a stage whose attach timed out");
+    assert_ne!(e.code(), Code::Ok);
+    assert!(
+        attaching.is_empty(),
+        "mapped before the monitor answered: {attaching:?}"
+    );
+    // The mapper did complete the attach (at once, or soon after if the
+    // stage did not wait for it), and it was undone.
+    let line_of = |log: &str, what: &str| {
+        log.lines()
+            .position(|l| l.contains(what) && l.contains(&id))
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let log = loop {
+        let log = std::fs::read_to_string(a.path("mapper.log")).unwrap();
+        if line_of(&log, " attached").is_some() {
+            break log;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the mapper never completed the attach:\n{log}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let detached = line_of(&log, " detached");
+    assert!(
+        detached > line_of(&log, " attached"),
+        "the late attach was not undone:\n{log}"
+    );
+    holds_nothing(&a, &id, &sa, 0);
+
+    // The retry stages it, once.
+    stage(req.clone())
+        .await
+        .unwrap_or_else(|e| panic!("the retry: {e}"));
+    assert_eq!(loop_devices_of(&a).len(), 1);
+    a.unstage(&id, &sa).await;
+    holds_nothing(&a, &id, &sa, 1);
+}

@@ -412,6 +412,21 @@ impl PrivateCluster {
         self.daemon("start-daemon", name);
     }
 
+    /// Freezes one daemon (SIGSTOP) or lets it go on (SIGCONT): its port
+    /// still accepts connections, and nothing answers on them meanwhile
+    /// (a monitor that hangs, not one that is gone).
+    pub fn pause_daemon(&self, name: &str, paused: bool) {
+        let pid_file = self.dir.join(format!("run/ceph-{name}.pid"));
+        let pid = std::fs::read_to_string(&pid_file)
+            .unwrap_or_else(|e| panic!("{}: {e}", pid_file.display()));
+        let sig = if paused { "-STOP" } else { "-CONT" };
+        let ok = Command::new("kill")
+            .args([sig, pid.trim()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill {sig} {name} ({})", pid.trim());
+    }
+
     fn daemon(&self, verb: &str, name: &str) {
         let out = Command::new(repo_root().join("scripts/ceph-test-cluster"))
             .args([verb, self.dir.to_str().expect("utf-8 dir"), name])
