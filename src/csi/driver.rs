@@ -54,6 +54,9 @@ pub struct Driver {
     pool_index: Option<PathBuf>,
     // `--credentials-dir`: credentials of this server's own.
     credentials_dir: Option<PathBuf>,
+    // Node mode: credentials are also kept in the kernel's user keyring,
+    // so that a restarted plugin can release what it staged.
+    keep_keys: bool,
 }
 
 impl std::fmt::Debug for Driver {
@@ -128,7 +131,22 @@ impl Driver {
             pool_volumes: Mutex::new(HashMap::new()),
             pool_index: None,
             credentials_dir: None,
+            keep_keys: false,
         }
+    }
+
+    /// Keeps the credentials each call brings in the kernel's user keyring
+    /// too (see [`crate::node::keyring::keep_key`]), so that a restarted
+    /// node plugin can release a staging lock as the user that took it
+    /// ([`Driver::connect_as`]) without waiting for a call that brings
+    /// them. For the node service.
+    pub fn keeping_keys(mut self) -> Driver {
+        self.keep_keys = true;
+        self
+    }
+
+    fn key_scope(&self, cluster_id: &str) -> String {
+        format!("{}/{cluster_id}", self.name)
     }
 
     /// Keeps the pools volumes were seen in, and what their last scan
@@ -245,15 +263,35 @@ impl Driver {
     }
 
     /// A connection to `cluster_id` as `user`, with the credentials an
-    /// earlier call brought for that user; `None` when none has since this
-    /// server started.
+    /// earlier call brought for that user, or (node mode) those kept in the
+    /// kernel's user keyring by an earlier instance; `None` when there are
+    /// none.
     pub async fn connect_as(&self, cluster_id: &str, user: &str) -> Result<Option<Conn>, Status> {
-        let creds = self
+        let mut creds = self
             .known_users
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(&(cluster_id.to_owned(), user.to_owned()))
             .cloned();
+        if creds.is_none() && self.keep_keys {
+            let scope = self.key_scope(cluster_id);
+            let u = user.to_owned();
+            let kept =
+                tokio::task::spawn_blocking(move || crate::node::keyring::kept_key(&scope, &u))
+                    .await
+                    .map_err(|e| Status::internal(format!("keyring lookup failed: {e}")))?;
+            match kept {
+                Ok(Some(key)) => {
+                    creds = Some(Credentials {
+                        user: user.to_owned(),
+                        key,
+                    })
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(cluster = %cluster_id, user = %user, error = %e,
+                    "cannot read the credentials kept in the kernel keyring"),
+            }
+        }
         match creds {
             Some(c) => self.connect_with(cluster_id, c).await.map(Some),
             None => Ok(None),
@@ -271,10 +309,24 @@ impl Driver {
                 ),
             )
         })?;
-        self.known_users
+        let fresh = self
+            .known_users
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert((cluster_id.to_owned(), creds.user.clone()), creds.clone());
+            .insert((cluster_id.to_owned(), creds.user.clone()), creds.clone())
+            .is_none_or(|old| old.key.expose() != creds.key.expose());
+        if fresh && self.keep_keys {
+            let (scope, c) = (self.key_scope(cluster_id), creds.clone());
+            // One blocking call: the keyring steps run on one thread.
+            let kept = tokio::task::spawn_blocking(move || {
+                crate::node::keyring::keep_key(&scope, &c.user, &c.key)
+            })
+            .await;
+            if let Ok(Err(e)) = kept {
+                tracing::warn!(cluster = %cluster_id, user = %creds.user, error = %e,
+                    "cannot keep the credentials in the kernel keyring; after a restart, a release waits for a call that brings them");
+            }
+        }
         self.known
             .lock()
             .unwrap_or_else(|e| e.into_inner())

@@ -269,6 +269,9 @@ pub async fn run_until(
     if with_controller {
         driver = driver.with_pool_index(args.state_dir.join("controller-pools.json"));
     }
+    if with_node {
+        driver = driver.keeping_keys();
+    }
     if let Some(dir) = &args.credentials_dir {
         anyhow::ensure!(
             dir.is_dir(),

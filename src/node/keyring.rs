@@ -179,6 +179,88 @@ pub fn unlink(serial: KeySerial, keyring: Keyring) -> Result<()> {
     Ok(())
 }
 
+fn keyctl(op: u32, a: libc::c_long, b: libc::c_long, what: &str) -> Result<()> {
+    // SAFETY: the keyctl(2) operations used here (SETPERM, SET_TIMEOUT,
+    // LINK) take integer arguments only, no pointers.
+    let ret = unsafe { libc::syscall(libc::SYS_keyctl, op, a, b) };
+    if ret < 0 {
+        return Err(Error::from_errno(last_errno(), "keyctl", what.to_owned()));
+    }
+    Ok(())
+}
+
+/// The permissions of a kept key: all for its possessor; view, read and
+/// search for processes of its owner's uid (root), which is how a restarted
+/// process, possessing nothing of the old one's, finds it.
+const KEPT_PERM: libc::c_long = 0x3f0b_0000;
+
+/// How long a kept key lives unless kept again.
+pub const KEPT_FOR: std::time::Duration = std::time::Duration::from_secs(400 * 24 * 3600);
+
+fn kept_name(scope: &str, user: &str) -> String {
+    format!("rbdkit:{scope}:{user}")
+}
+
+/// Keeps `user`'s cephx `key` for `scope` (a driver and cluster) in this
+/// uid's user keyring, in kernel memory only (never on disk), for
+/// [`KEPT_FOR`], replacing an older one. A `user`-type key, added to the
+/// process keyring first so that this thread possesses it while it sets
+/// its permissions (processes of this uid may view, search and read it)
+/// and timeout, then linked into the user keyring and unlinked from the
+/// process keyring. All on this thread (the process keyring lives in its
+/// credentials).
+pub fn keep_key(scope: &str, user: &str, key: &Secret) -> Result<()> {
+    let name = kept_name(scope, user);
+    let serial = add_key("user", &name, key.expose().as_bytes(), Keyring::Process)?;
+    let s = libc::c_long::from(serial.0);
+    let linked = keyctl(libc::KEYCTL_SETPERM, s, KEPT_PERM, &name)
+        .and_then(|()| {
+            keyctl(
+                libc::KEYCTL_SET_TIMEOUT,
+                s,
+                KEPT_FOR.as_secs() as libc::c_long,
+                &name,
+            )
+        })
+        .and_then(|()| {
+            keyctl(
+                libc::KEYCTL_LINK,
+                s,
+                libc::c_long::from(Keyring::User.spec()),
+                &name,
+            )
+        });
+    let _ = unlink(serial, Keyring::Process);
+    linked
+}
+
+/// The key [`keep_key`] kept for `scope` and `user`, if it is still there.
+pub fn kept_key(scope: &str, user: &str) -> Result<Option<Secret>> {
+    let name = kept_name(scope, user);
+    let Some(serial) = search("user", &name, Keyring::User)? else {
+        return Ok(None);
+    };
+    match String::from_utf8(read(serial)?) {
+        Ok(key) => Ok(Some(Secret::new(key))),
+        Err(e) => {
+            crate::rados::zeroize(&mut e.into_bytes());
+            Err(Error::invalid("keyctl(KEYCTL_READ)", &name, "not UTF-8"))
+        }
+    }
+}
+
+/// Drops the key [`keep_key`] kept for `scope` and `user`; a no-op when
+/// there is none.
+pub fn forget_key(scope: &str, user: &str) -> Result<()> {
+    match search("user", &kept_name(scope, user), Keyring::User)? {
+        Some(serial) => match unlink(serial, Keyring::User) {
+            Err(e) if e.is_not_found() || e.errno() == libc::ENOKEY => Ok(()),
+            other => other,
+        },
+        None => Ok(()),
+    }
+}
+
 /// The key name krbd's `key=` option refers to: `client.<user>`.
 pub fn key_name(user: &str) -> String {
     format!("client.{user}")

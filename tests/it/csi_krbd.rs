@@ -313,39 +313,60 @@ async fn krbd_maps_and_unmaps_through_sysfs_strings() {
     drop(loop_dev);
 }
 
-/// After a kill -9 and restart of the plugin, a krbd volume's staging lock
-/// is released (NodeUnstage carries no secrets, so the release waits) as
-/// the Ceph user that staged it: a call that brings another user's
+/// After a kill -9 and restart of the plugin, NodeUnstage (which carries
+/// no secrets) releases a krbd volume's staging lock at once, as the Ceph
+/// user that staged it: the plugin kept that user's credentials in the
+/// kernel's user keyring (memory only). Without the kept key (a reboot, or
+/// removed here) the release waits: a call that brings another user's
 /// credentials for the same cluster leaves it, and the next one that
-/// brings the staging user's releases it. Before, credentials were kept
-/// per cluster and the first call for it released the lock with whatever
-/// user it brought.
+/// brings the staging user's releases it.
 #[tokio::test(flavor = "multi_thread")]
-async fn a_deferred_krbd_release_runs_as_the_user_that_staged() {
+async fn a_restarted_krbd_plugin_releases_at_unstage_as_the_user_that_staged() {
     let mut k = krbd_node("krbd-user").await;
     let env = &mut k.env;
     let id = env.create_volume("pvc-user", 32 * MIB, block_cap()).await;
     let other = env.create_volume("pvc-other", 32 * MIB, block_cap()).await;
     let staging = env.path("staging");
     std::fs::create_dir_all(&staging).unwrap();
-    env.node()
-        .await
-        .node_stage_volume(env.stage_request(&id, &staging, block_cap()))
-        .await
-        .unwrap();
-    env.csi.kill9();
-    env.csi.restart();
-    env.unstage(&id, &staging).await;
     let image = rbdkit::volume::VolumeId::parse(&id).unwrap().image;
-    let holders = || {
-        ImageLock::open(&support::ceph::cluster(), POOL, &env.rbd.name, &image)
+    let ns_name = env.rbd.name.clone();
+    let holders = |image: &str| {
+        ImageLock::open(&support::ceph::cluster(), POOL, &ns_name, image)
             .unwrap()
             .holders()
             .unwrap()
             .lockers
             .len()
     };
-    assert_eq!(holders(), 1, "released with no credentials at all?");
+    let stage = |env: &support::csi::CsiEnv| {
+        let req = env.stage_request(&id, &staging, block_cap());
+        let socket = env.path("csi.sock");
+        async move {
+            rbdkit::csi::proto::node_client::NodeClient::new(support::csi::channel(&socket).await)
+                .node_stage_volume(req)
+                .await
+                .unwrap()
+        }
+    };
+    stage(env).await;
+    env.csi.restart();
+    env.unstage(&id, &staging).await;
+    assert_eq!(
+        holders(&image),
+        0,
+        "not released at unstage after a restart"
+    );
+
+    // Again, with the kept key gone: the release waits.
+    stage(env).await;
+    env.csi.restart();
+    rbdkit::node::keyring::forget_key(
+        &format!("rbd.rbdkit.io/{}", env.cluster_id),
+        support::ceph::NODE_USER,
+    )
+    .unwrap();
+    env.unstage(&id, &staging).await;
+    assert_eq!(holders(&image), 1, "released with no credentials at all?");
 
     // Another user's call on the same cluster: the lock stays.
     let as_provisioner = |vol: &str, s: &std::path::Path| {
@@ -360,7 +381,11 @@ async fn a_deferred_krbd_release_runs_as_the_user_that_staged() {
         .node_stage_volume(as_provisioner(&other, &s2))
         .await
         .unwrap_or_else(|e| panic!("stage as {}: {e}", support::ceph::PROVISIONER_USER));
-    assert_eq!(holders(), 1, "released with another user's credentials");
+    assert_eq!(
+        holders(&image),
+        1,
+        "released with another user's credentials"
+    );
     env.unstage(&other, &s2).await;
 
     // The staging user's call: released.
@@ -370,7 +395,7 @@ async fn a_deferred_krbd_release_runs_as_the_user_that_staged() {
         .await
         .unwrap();
     assert_eq!(
-        holders(),
+        holders(&image),
         0,
         "not released with the staging user's credentials"
     );
