@@ -24,6 +24,7 @@ pub mod identity;
 pub mod jobs;
 pub mod node;
 pub mod proto;
+pub mod topology;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -117,6 +118,29 @@ pub struct CsiArgs {
     /// A topology segment this node reports, `KEY=VALUE` (repeatable).
     #[arg(long = "topology", value_name = "KEY=VALUE")]
     pub topology: Vec<String>,
+
+    /// Node labels (comma-separated, such as `topology.kubernetes.io/zone`)
+    /// whose values this node reports as topology segments
+    /// `topology.<driver>/<name>` (ceph-csi's flag). Reads the Node from the
+    /// API server at start (RBAC: `get` on `nodes`).
+    #[arg(long = "domainlabels", value_name = "LABELS", value_delimiter = ',')]
+    pub domain_labels: Vec<String>,
+
+    /// Read from the nearest replica (krbd and rbdkit-fuse), placed in the
+    /// CRUSH map by the node labels of --crush-location-labels; the
+    /// clusters config's `readAffinity` overrides it per cluster.
+    #[arg(long)]
+    pub enable_read_affinity: bool,
+
+    /// Node labels (comma-separated) giving this node's CRUSH location for
+    /// read affinity, such as `topology.kubernetes.io/zone`.
+    #[arg(long, value_name = "LABELS", value_delimiter = ',')]
+    pub crush_location_labels: Vec<String>,
+
+    /// The kubeconfig to read this node's labels with (--domainlabels, read
+    /// affinity); default: the pod's service account.
+    #[arg(long, value_name = "FILE")]
+    pub kubeconfig: Option<PathBuf>,
 
     /// Log format: text or json.
     #[arg(long, default_value = "text")]
@@ -222,6 +246,27 @@ fn mappers(args: &CsiArgs) -> anyhow::Result<(Vec<Arc<dyn Mapper>>, String)> {
     Ok((list, default))
 }
 
+/// This node's labels, read from the API server when something needs them
+/// (`--domainlabels`, read affinity by flag or by the clusters config).
+async fn node_labels(
+    args: &CsiArgs,
+    clusters: &ClustersFile,
+) -> anyhow::Result<Option<BTreeMap<String, String>>> {
+    let wanted = !args.domain_labels.is_empty()
+        || args.enable_read_affinity
+        || clusters.config().any_read_affinity();
+    if args.mode == Mode::Controller || !wanted {
+        return Ok(None);
+    }
+    let labels = topology::node_labels(
+        args.kubeconfig.as_deref(),
+        &args.node_id,
+        Duration::from_secs(60),
+    )
+    .await?;
+    Ok(Some(labels))
+}
+
 /// Runs the server until SIGTERM or SIGINT.
 pub async fn run(args: CsiArgs) -> anyhow::Result<()> {
     run_until(args, crate::shutdown::signal()).await
@@ -244,8 +289,26 @@ pub async fn run_until(
             "--node-id is required with --mode node or all"
         );
     }
-    let topology = parse_topology(&args.topology)?;
+    let mut topology = parse_topology(&args.topology)?;
     let clusters = Arc::new(ClustersFile::load(&args.clusters_config).map_err(anyhow::Error::msg)?);
+    let node_labels = node_labels(&args, &clusters).await?;
+    if let Some(labels) = &node_labels {
+        let from_labels = self::topology::domain_segments(
+            &args.driver_name,
+            &args.domain_labels,
+            labels,
+            &args.node_id,
+        )?;
+        for (k, v) in from_labels {
+            if let Some(old) = topology.insert(k.clone(), v.clone()) {
+                anyhow::ensure!(
+                    old == v,
+                    "--topology {k}={old} and --domainlabels ({k}={v}) disagree"
+                );
+            }
+        }
+        tracing::info!(?topology, "node topology");
+    }
     let pool = BlockingPool::new(args.ceph_threads);
     let conns = Arc::new(Connections::new(
         pool.clone(),
@@ -297,7 +360,12 @@ pub async fn run_until(
         }
         Some(
             node::NodeService::new(Arc::clone(&driver), list, default, args.state_dir.clone())
-                .default_fs(args.default_fstype.clone()),
+                .default_fs(args.default_fstype.clone())
+                .read_affinity(
+                    args.enable_read_affinity,
+                    args.crush_location_labels.clone(),
+                    node_labels.clone(),
+                ),
         )
     } else {
         None

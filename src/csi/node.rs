@@ -212,6 +212,17 @@ pub struct NodeService {
     default_mapper: String,
     state_dir: PathBuf,
     default_fs: String,
+    /// Read affinity: the flags and the node's labels.
+    read_affinity: ReadAffinityFlags,
+}
+
+/// `--enable-read-affinity`, `--crush-location-labels`, and the node's
+/// labels read at start (`None`: not read).
+#[derive(Debug, Clone, Default)]
+struct ReadAffinityFlags {
+    enabled: bool,
+    labels: Vec<String>,
+    node_labels: Option<std::collections::BTreeMap<String, String>>,
 }
 
 /// A request's secrets, zeroed when dropped (the key's copy in the request).
@@ -242,6 +253,7 @@ impl NodeService {
             default_mapper,
             state_dir,
             default_fs: "ext4".to_owned(),
+            read_affinity: ReadAffinityFlags::default(),
         }
     }
 
@@ -250,6 +262,45 @@ impl NodeService {
     pub fn default_fs(mut self, fs_type: impl Into<String>) -> NodeService {
         self.default_fs = fs_type.into();
         self
+    }
+
+    /// Read affinity ([`crate::node::read_affinity`]): the flags, and the
+    /// node's labels (`None` when they were not read).
+    pub fn read_affinity(
+        mut self,
+        enabled: bool,
+        labels: Vec<String>,
+        node_labels: Option<std::collections::BTreeMap<String, String>>,
+    ) -> NodeService {
+        self.read_affinity = ReadAffinityFlags {
+            enabled,
+            labels,
+            node_labels,
+        };
+        self
+    }
+
+    /// The read affinity map options for a volume of `cluster_id` (none when
+    /// it is off for that cluster, or the node has none of the labels).
+    fn read_affinity_options(&self, cluster_id: &str) -> Vec<String> {
+        use crate::node::read_affinity as ra;
+        let config = self.driver.clusters.config();
+        let entry = config
+            .read_affinity(cluster_id)
+            .map(|r| (r.enabled, r.crush_location_labels.as_slice()));
+        let flags = &self.read_affinity;
+        let labels = ra::labels_for(entry, (flags.enabled, &flags.labels));
+        if labels.is_empty() {
+            return Vec::new();
+        }
+        let Some(node_labels) = &flags.node_labels else {
+            tracing::warn!(
+                cluster = cluster_id,
+                "read affinity is on for this cluster, but the node's labels were not read at start (restart the node plugin); mapping without it"
+            );
+            return Vec::new();
+        };
+        ra::map_options(&ra::crush_location(labels, node_labels))
     }
 
     /// The mapper of a stashed volume, told which cluster it is of.
@@ -766,9 +817,11 @@ impl Node for NodeService {
             );
         }
         // Each mapper's mapOptions/unmapOptions, checked up front too.
+        let read_affinity = self.read_affinity_options(&vol.cluster_id);
         let mut mapper_opts = HashMap::new();
         for m in &candidates {
-            let map = mapper_options(&ctx, MAP_OPTIONS, m.name())?;
+            let mut map = mapper_options(&ctx, MAP_OPTIONS, m.name())?;
+            crate::node::read_affinity::add_to(&mut map, &read_affinity);
             let unmap = mapper_options(&ctx, UNMAP_OPTIONS, m.name())?;
             mapper_opts.insert(m.name(), (map, unmap));
         }

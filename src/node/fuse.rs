@@ -97,6 +97,12 @@
 //!   settings gets its own librados connection (images with equal settings
 //!   share one).
 //!
+//! - `read_from_replica=no|balance|localize` and
+//!   `crush_location=type:name|type:name` (the kernel's words, so one
+//!   option string serves both mappers): librbd's
+//!   `rbd_read_from_replica_policy` and `crush_location` on the image's
+//!   connection (read affinity, [`crate::node::read_affinity`]).
+//!
 //! `threads` is refused: the FUSE reader threads serve every image of the
 //! daemon, so they are the daemon's `--threads` flag, not a per-volume
 //! option. A repeated `attach` with other options than the live mapping's
@@ -279,6 +285,25 @@ impl FuseMapOptions {
                     }
                     out.read_only = true;
                 }
+                // Read affinity, in the kernel's words (as krbd takes
+                // them), set on the image's connection in librbd's.
+                "read_from_replica" => {
+                    let policy = value
+                        .and_then(crate::node::read_affinity::librbd_policy)
+                        .ok_or_else(|| bad(opt, "must be no, balance or localize".into()))?;
+                    out.librbd
+                        .retain(|(n, _)| n != "rbd_read_from_replica_policy");
+                    out.librbd
+                        .push(("rbd_read_from_replica_policy".to_owned(), policy.to_owned()));
+                }
+                "crush_location" => {
+                    let loc = crate::node::read_affinity::librbd_crush_location(
+                        value.unwrap_or_default(),
+                    )
+                    .map_err(|why| bad(opt, format!("{why}; give type:name|type:name")))?;
+                    out.librbd.retain(|(n, _)| n != "crush_location");
+                    out.librbd.push(("crush_location".to_owned(), loc));
+                }
                 "threads" => {
                     return Err(bad(
                         opt,
@@ -289,10 +314,16 @@ impl FuseMapOptions {
                 }
                 _ => {
                     let Some((_, kind)) = LIBRBD_OPTIONS.iter().find(|(n, _)| *n == name) else {
-                        let known: Vec<&str> = ["queue_depth", "block_size", "read_only"]
-                            .into_iter()
-                            .chain(LIBRBD_OPTIONS.iter().map(|(n, _)| *n))
-                            .collect();
+                        let known: Vec<&str> = [
+                            "queue_depth",
+                            "block_size",
+                            "read_only",
+                            "read_from_replica",
+                            "crush_location",
+                        ]
+                        .into_iter()
+                        .chain(LIBRBD_OPTIONS.iter().map(|(n, _)| *n))
+                        .collect();
                         return Err(bad(
                             opt,
                             format!("unknown option; known: {}", known.join(", ")),
@@ -675,6 +706,48 @@ impl Mapper for FuseMapper {
                 device.display()
             )),
             Ok(Some(_)) => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn read_affinity_options_become_librbd_settings() {
+        let o = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let p = FuseMapOptions::parse(
+            &o(&[
+                "read_from_replica=localize",
+                "crush_location=host:node-7|zone:z1",
+                "rbd_cache=false",
+            ]),
+            "vol",
+        )
+        .unwrap();
+        assert_eq!(
+            p.librbd,
+            [
+                ("rbd_read_from_replica_policy".into(), "localize".into()),
+                ("crush_location".into(), "host=node-7 zone=z1".into()),
+                ("rbd_cache".into(), "false".into()),
+            ]
+        );
+        let p = FuseMapOptions::parse(&o(&["read_from_replica=no"]), "vol").unwrap();
+        assert_eq!(p.librbd[0].1, "default");
+        for bad in [
+            "read_from_replica",
+            "read_from_replica=always",
+            "crush_location",
+            "crush_location=zone",
+            "crush_location=zone:a b",
+        ] {
+            let e = FuseMapOptions::parse(&o(&[bad]), "vol").unwrap_err();
+            assert!(
+                e.to_string().contains(bad.split('=').next().unwrap()),
+                "{bad}: {e}"
+            );
         }
     }
 }

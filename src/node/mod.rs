@@ -16,6 +16,7 @@ pub mod keyring;
 pub mod krbd;
 pub mod mount;
 pub mod options;
+pub mod read_affinity;
 pub mod stage_lock;
 
 use std::path::{Path, PathBuf};

@@ -58,6 +58,28 @@ struct RawEntry {
     monitors: Vec<String>,
     #[serde(default)]
     rbd: Option<RawRbd>,
+    #[serde(rename = "readAffinity", default)]
+    read_affinity: Option<RawReadAffinity>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RawReadAffinity {
+    #[serde(default)]
+    enabled: bool,
+    #[serde(default)]
+    crush_location_labels: Vec<String>,
+}
+
+/// A cluster's `readAffinity` entry (ceph-csi's): whether its volumes read
+/// from the nearest replica, and the node labels that place the node in
+/// its CRUSH map (none: the node plugin's `--crush-location-labels`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReadAffinity {
+    /// `enabled`.
+    pub enabled: bool,
+    /// `crushLocationLabels`.
+    pub crush_location_labels: Vec<String>,
 }
 
 #[derive(Deserialize)]
@@ -80,6 +102,7 @@ pub fn monitor_list(entries: &[String]) -> Vec<String> {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ClustersConfig {
     clusters: HashMap<String, ClusterInfo>,
+    read_affinity: HashMap<String, ReadAffinity>,
 }
 
 impl ClustersConfig {
@@ -90,6 +113,7 @@ impl ClustersConfig {
         let raw: Vec<RawEntry> =
             serde_json::from_str(text).map_err(|e| format!("not a ceph-csi config.json: {e}"))?;
         let mut clusters = HashMap::new();
+        let mut read_affinity = HashMap::new();
         for (i, e) in raw.into_iter().enumerate() {
             if e.cluster_id.trim().is_empty() {
                 return Err(format!("entry {i} has an empty clusterID"));
@@ -103,11 +127,39 @@ impl ClustersConfig {
                 monitors,
                 rados_namespace: e.rbd.and_then(|r| r.rados_namespace).unwrap_or_default(),
             };
+            if let Some(ra) = e.read_affinity {
+                let labels: Vec<String> = ra
+                    .crush_location_labels
+                    .iter()
+                    .map(|l| l.trim().to_owned())
+                    .filter(|l| !l.is_empty())
+                    .collect();
+                read_affinity.insert(
+                    e.cluster_id.clone(),
+                    ReadAffinity {
+                        enabled: ra.enabled,
+                        crush_location_labels: labels,
+                    },
+                );
+            }
             if clusters.insert(e.cluster_id.clone(), info).is_some() {
                 return Err(format!("cluster {:?} is listed twice", e.cluster_id));
             }
         }
-        Ok(ClustersConfig { clusters })
+        Ok(ClustersConfig {
+            clusters,
+            read_affinity,
+        })
+    }
+
+    /// The `readAffinity` entry of cluster `cluster_id`, if it has one.
+    pub fn read_affinity(&self, cluster_id: &str) -> Option<&ReadAffinity> {
+        self.read_affinity.get(cluster_id)
+    }
+
+    /// Whether any cluster turns read affinity on.
+    pub fn any_read_affinity(&self) -> bool {
+        self.read_affinity.values().any(|r| r.enabled)
     }
 
     /// The cluster with this id.
@@ -873,6 +925,26 @@ mod tests {
         assert_eq!(c.get("c2").unwrap().rados_namespace, "");
         assert!(c.get("c3").is_none());
         assert!(ClustersConfig::parse("[]").unwrap().is_empty());
+        assert!(c.read_affinity("c1").is_none());
+        assert!(!c.any_read_affinity());
+    }
+
+    #[test]
+    fn read_affinity_entries_are_kept_per_cluster() {
+        let c = ClustersConfig::parse(
+            r#"[
+              {"clusterID": "c1", "monitors": ["m"],
+               "readAffinity": {"enabled": true,
+                                "crushLocationLabels": ["topology.kubernetes.io/zone", " "]}},
+              {"clusterID": "c2", "monitors": ["m"], "readAffinity": {"enabled": false}}
+            ]"#,
+        )
+        .unwrap();
+        let r = c.read_affinity("c1").unwrap();
+        assert!(r.enabled);
+        assert_eq!(r.crush_location_labels, ["topology.kubernetes.io/zone"]);
+        assert!(!c.read_affinity("c2").unwrap().enabled);
+        assert!(c.any_read_affinity());
     }
 
     #[test]

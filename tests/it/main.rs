@@ -16,6 +16,7 @@ mod csi_group_snapshots;
 mod csi_krbd;
 mod csi_node;
 mod csi_qos;
+mod csi_read_affinity;
 mod csi_sanity;
 mod gc;
 mod helm_chart;
