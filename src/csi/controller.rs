@@ -524,6 +524,20 @@ impl Controller for ControllerService {
             .driver
             .connect(&params.cluster_id, &req.secrets)
             .await?;
+        let source_pool = source.as_ref().map(|s| match s {
+            Source::Snapshot(s) => s.pool.clone(),
+            Source::Volume(v) => v.pool.clone(),
+        });
+        let (params, vol, accessible) = crate::csi::topology::place(
+            &self.driver,
+            &busy,
+            &conn,
+            (params, vol),
+            &name,
+            req.accessibility_requirements.as_ref(),
+            source_pool.as_deref(),
+        )
+        .await?;
         let owner = Owner {
             provisioner: self.driver.name.clone(),
             pv_name: name.clone(),
@@ -590,7 +604,10 @@ impl Controller for ControllerService {
                 volume_id: vol.handle(),
                 volume_context: to_hash(volume_context(&vol, &params)),
                 content_source: req.volume_content_source.clone(),
-                accessible_topology: Vec::new(),
+                accessible_topology: accessible
+                    .iter()
+                    .map(crate::csi::topology::topology)
+                    .collect(),
             }),
         }))
     }

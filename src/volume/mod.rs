@@ -35,6 +35,7 @@ pub mod pv;
 pub mod qos;
 pub mod quantity;
 pub mod snapshot;
+pub mod topology;
 
 use std::collections::BTreeMap;
 use std::time::Instant;

@@ -538,7 +538,7 @@ fn create_temp(
 /// Whether `rbd_id.<name>` exists: a format 2 image of that name opens
 /// only if it does, so a miss saves an `rbd_open` (a configuration copy and
 /// a header read) that would fail.
-fn id_object_exists(
+pub(crate) fn id_object_exists(
     io: &IoCtx,
     metrics: &dyn CephObserver,
     name: &str,

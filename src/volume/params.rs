@@ -86,7 +86,6 @@ const NOT_YET: &[(&str, Option<&str>)] = &[
     ("encryptionKMSID", None),
     ("encryptionType", None),
     ("thickProvision", Some("false")),
-    ("topologyConstrainedPools", None),
 ];
 
 /// Values of `mounter` and the mapper each selects.
@@ -372,6 +371,8 @@ pub struct ClassParams {
     pub node_stage_secret: Option<SecretTemplate>,
     /// How deep clone chains may grow (restores and volume clones).
     pub clone_depth: CloneDepth,
+    /// `topologyConstrainedPools`: pools per failure domain (empty: none).
+    pub topology_pools: Vec<crate::volume::topology::ConstrainedPool>,
     /// I/O limits for new volumes (ceph-csi's `BaseReadIops`, ...; a
     /// VolumeAttributesClass, through CSI `mutable_parameters`, overrides
     /// them).
@@ -571,6 +572,14 @@ impl ClassParams {
     /// view: the provisioner Secret is required).
     pub fn parse(params: &BTreeMap<String, String>) -> Result<ClassParams, ParamError> {
         let p = Self::parse_any(params)?;
+        if !p.topology_pools.is_empty() {
+            return Err(ParamError::new(
+                crate::volume::topology::TOPOLOGY_CONSTRAINED_POOLS,
+                "is honoured by `rbdkit csi --mode controller` behind external-provisioner, \
+                 which passes the claim's accessibility requirements; the built-in provisioner \
+                 does not place volumes by topology yet",
+            ));
+        }
         if p.provisioner_secret.is_none() {
             return Err(ParamError::new(
                 PROVISIONER_SECRET_NAME,
@@ -627,6 +636,7 @@ impl ClassParams {
             NODE_STAGE_SECRET_NAMESPACE,
             SOFT_MAX_CLONE_DEPTH,
             HARD_MAX_CLONE_DEPTH,
+            crate::volume::topology::TOPOLOGY_CONSTRAINED_POOLS,
         ];
         let known = |k: &str| {
             KNOWN.contains(&k)
@@ -836,6 +846,11 @@ impl ClassParams {
             expand_secret,
             node_stage_secret,
             clone_depth: CloneDepth::parse(params)?,
+            topology_pools: crate::volume::topology::parse_constrained_pools(
+                params
+                    .get(crate::volume::topology::TOPOLOGY_CONSTRAINED_POOLS)
+                    .map_or("", String::as_str),
+            )?,
             qos: crate::volume::qos::Policy::from_class(params)?,
         })
     }
@@ -1388,7 +1403,10 @@ mod tests {
             ("encrypted", "true"),
             ("encryptionKMSID", "vault"),
             ("thickProvision", "true"),
-            ("topologyConstrainedPools", "[]"),
+            (
+                "topologyConstrainedPools",
+                r#"[{"poolName": "x", "domainSegments": [{"domainLabel": "zone", "value": "a"}]}]"#,
+            ),
             ("BaseReadIops", "0"),
             ("imageFormat", "1"),
             (MOUNTER, "rbd-nbd"),

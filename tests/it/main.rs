@@ -18,6 +18,7 @@ mod csi_node;
 mod csi_qos;
 mod csi_read_affinity;
 mod csi_sanity;
+mod csi_topology;
 mod gc;
 mod helm_chart;
 mod k8s_control_plane;

@@ -23,3 +23,5 @@ pub mod process;
 pub mod provisioner;
 #[cfg(feature = "service")]
 pub mod snapshots;
+#[cfg(feature = "service")]
+pub mod topology;
