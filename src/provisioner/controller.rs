@@ -49,6 +49,7 @@ use crate::volume::params::{check_access, ClassParams, SecretRef, TemplateContex
 use crate::volume::qos;
 use crate::volume::quantity::{bytes_quantity, parse_bytes, parse_whole_bytes, round_up_mib, MIB};
 use crate::volume::snapshot::{self as snap, CloneOptions, Flatten};
+use crate::volume::topology as vtopo;
 use crate::volume::{Fence, VolumeId};
 
 /// Finalizer on a claim while its image may exist without a PV.
@@ -889,6 +890,86 @@ async fn provision(claim: &PersistentVolumeClaim, ctx: &Context) -> Result<Actio
     }
 }
 
+/// What [`place_by_topology`] chose, and from which requirements.
+type Chosen = (vtopo::Placement, crate::provisioner::topology::Requirements);
+
+/// The class's parameters with the pool its `topologyConstrainedPools`
+/// choose for `claim` (unchanged without them, or without requirements),
+/// and the choice. `source_pool`: a clone's source pool, which it shares.
+async fn place_by_topology(
+    ctx: &Context,
+    claim: &PersistentVolumeClaim,
+    class: &StorageClass,
+    params: &ClassParams,
+    source_pool: Option<&str>,
+) -> Result<(ClassParams, Option<Chosen>), Failure> {
+    if params.topology_pools.is_empty() {
+        return Ok((params.clone(), None));
+    }
+    let reqs =
+        crate::provisioner::topology::requirements(&ctx.client, &ctx.name, claim, class).await?;
+    let Some(r) = reqs else {
+        return Ok((params.clone(), None));
+    };
+    let chosen = vtopo::choose(
+        &params.topology_pools,
+        &r.preferred,
+        &r.requisite,
+        source_pool,
+    )?;
+    Ok(match chosen {
+        Some(p) => (vtopo::placed(params, &p), Some((p, r))),
+        None => (params.clone(), None),
+    })
+}
+
+/// `chosen`, unless an earlier attempt for this claim (another selected
+/// node) already made its image, whole or cut short, in another of the
+/// class's pools: then that pool, so that a re-run never makes a second
+/// image. Refused when the earlier pool is not one of the class's.
+async fn keep_earlier_pool(
+    ctx: &Context,
+    conn: &Conn,
+    class_params: &ClassParams,
+    vol: &VolumeId,
+    pv_name: &str,
+    chosen: vtopo::Placement,
+    reqs: &crate::provisioner::topology::Requirements,
+) -> Result<vtopo::Placement, Failure> {
+    let candidates = vtopo::candidate_pools(class_params, &chosen.pool.pool);
+    let (v, provisioner, pv) = (vol.clone(), ctx.name.clone(), pv_name.to_owned());
+    let found = ctx
+        .ceph(conn, move |c, m, _| {
+            vtopo::find_existing(c, m, &v, &candidates, &provisioner, &pv)
+        })
+        .await
+        .map_err(|e| {
+            format!(
+                "cannot look for image {} in the class's pools: {e}",
+                vol.image
+            )
+        })?;
+    match found {
+        Some(pool) if pool != chosen.pool.pool => {
+            let terms: Vec<_> = reqs
+                .preferred
+                .iter()
+                .chain(&reqs.requisite)
+                .cloned()
+                .collect();
+            vtopo::placement_of(&class_params.topology_pools, &pool, &terms, &reqs.keys)
+                .ok_or_else(|| {
+                    format!(
+                        "image {} already exists in pool {pool:?}, which is not one of the class's topologyConstrainedPools",
+                        vol.image
+                    )
+                    .into()
+                })
+        }
+        _ => Ok(chosen),
+    }
+}
+
 async fn provision_steps(
     claim: &PersistentVolumeClaim,
     ctx: &Context,
@@ -961,26 +1042,43 @@ async fn provision_steps(
         .map(|t| t.resolve(&tctx))
         .transpose()?;
 
-    let vol = VolumeId {
+    let class_name = class.name_any();
+    let source = match &data_source {
+        None => None,
+        Some(ds) => Some(source::resolve(&ctx.client, &ctx.name, claim, ds).await?),
+    };
+    let class_params = params;
+    let (params, placement) = place_by_topology(
+        ctx,
+        claim,
+        class,
+        &class_params,
+        source.as_ref().map(|s| s.place().pool).as_deref(),
+    )
+    .await?;
+    let mut vol = VolumeId {
         cluster_id: params.cluster_id.clone(),
         pool: params.pool.clone(),
         rados_namespace: cluster.rados_namespace.clone(),
         image: params.image_name(pv_name),
     };
-    let class_name = class.name_any();
-    let source = match &data_source {
-        None => None,
-        Some(ds) => {
-            let s = source::resolve(&ctx.client, &ctx.name, claim, ds).await?;
-            source::check_place(&s, &vol, &class_name)?;
-            source::check_size(&s, size)?;
-            Some(s)
-        }
-    };
+    if let Some(s) = &source {
+        source::check_place(s, &vol, &class_name)?;
+        source::check_size(s, size)?;
+    }
 
     // Credentials and connection first: a missing Secret or an unreachable
     // cluster must not leave a finalizer that needs them to be removed.
     let conn = ctx.connect(&params.cluster_id, &prov_secret).await?;
+    let (params, placement) = match placement {
+        Some((p, reqs)) if source.is_none() => {
+            let kept =
+                keep_earlier_pool(ctx, &conn, &class_params, &vol, pv_name, p, &reqs).await?;
+            vol.pool = kept.pool.pool.clone();
+            (vtopo::placed(&class_params, &kept), Some(kept))
+        }
+        other => (params, other.map(|(p, _)| p)),
+    };
 
     // Before any image exists: the claim cannot go away without us
     // cleaning up, and we will know where to look.
@@ -1101,6 +1199,9 @@ async fn provision_steps(
         node_stage_secret: node_secret.as_ref(),
     });
     let mut pv = pv;
+    if let Some(p) = &placement {
+        crate::provisioner::topology::set_node_affinity(&mut pv, &p.accessible);
+    }
     crate::provisioner::modify::annotate_pv(&mut pv, vac.as_deref());
     if flatten_later {
         pv.annotations_mut()

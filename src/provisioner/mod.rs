@@ -13,6 +13,8 @@
 //! - [`source`]: claims with a data source (clones, restores);
 //! - [`maintenance`]: background flattens and the trash, while leading.
 //! - [`snapshots`]: the VolumeSnapshotContent reconciler.
+//! - [`topology`]: accessibility requirements of a claim and the PV's node
+//!   affinity (`topologyConstrainedPools`).
 //! - [`out_of_service`]: Nodes with the out-of-service taint fenced, their
 //!   staging locks broken, and the fence lifted when the taint goes.
 //! - [`network_fence`]: csi-addons NetworkFences (CIDR blocks fenced).
@@ -31,6 +33,7 @@ pub mod pv;
 pub mod secrets;
 pub mod snapshots;
 pub mod source;
+pub mod topology;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

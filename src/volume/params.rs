@@ -572,14 +572,6 @@ impl ClassParams {
     /// view: the provisioner Secret is required).
     pub fn parse(params: &BTreeMap<String, String>) -> Result<ClassParams, ParamError> {
         let p = Self::parse_any(params)?;
-        if !p.topology_pools.is_empty() {
-            return Err(ParamError::new(
-                crate::volume::topology::TOPOLOGY_CONSTRAINED_POOLS,
-                "is honoured by `rbdkit csi --mode controller` behind external-provisioner, \
-                 which passes the claim's accessibility requirements; the built-in provisioner \
-                 does not place volumes by topology yet",
-            ));
-        }
         if p.provisioner_secret.is_none() {
             return Err(ParamError::new(
                 PROVISIONER_SECRET_NAME,
@@ -1403,10 +1395,7 @@ mod tests {
             ("encrypted", "true"),
             ("encryptionKMSID", "vault"),
             ("thickProvision", "true"),
-            (
-                "topologyConstrainedPools",
-                r#"[{"poolName": "x", "domainSegments": [{"domainLabel": "zone", "value": "a"}]}]"#,
-            ),
+            ("topologyConstrainedPools", r#"[{"pool": "x"}]"#),
             ("BaseReadIops", "0"),
             ("imageFormat", "1"),
             (MOUNTER, "rbd-nbd"),

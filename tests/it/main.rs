@@ -48,4 +48,5 @@ mod provisioner_network_fence;
 mod provisioner_out_of_service;
 mod provisioner_qos;
 mod provisioner_snapshots;
+mod provisioner_topology;
 mod volume_snapshots;

@@ -153,6 +153,8 @@ fn manifests_parse_and_agree_with_the_provisioner() {
         ("", "persistentvolumeclaims/status", &["patch"][..]),
         ("storage.k8s.io", "storageclasses", &["get"][..]),
         ("storage.k8s.io", "volumeattributesclasses", &["get"][..]),
+        ("storage.k8s.io", "csinodes", &["get"][..]),
+        ("", "nodes", &["get", "list"][..]),
         ("", "secrets", &["get"][..]),
         ("events.k8s.io", "events", &["create", "patch"][..]),
     ] {
