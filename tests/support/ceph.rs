@@ -192,31 +192,37 @@ impl TestNs {
 
 impl Drop for TestNs {
     fn drop(&mut self) {
-        // Best effort: children before parents, snapshots before images.
-        for _ in 0..3 {
-            let Ok(images) = rbd::list_names(&self.ioctx) else {
-                break;
-            };
-            for name in images {
-                if let Ok(img) = rbd::Image::open(&self.ioctx, &name) {
-                    if let Ok(snaps) = img.snap_list() {
-                        for s in snaps {
-                            let _ = img.snap_remove_force(&s.name);
-                        }
+        remove_namespace(&self.ioctx, POOL, &self.name);
+    }
+}
+
+/// Removes everything in namespace `name` of `pool` (`ioctx` is in it),
+/// then the namespace. Best effort: children before parents, snapshots
+/// before images, then the trash.
+pub fn remove_namespace(ioctx: &IoCtx, pool: &str, name: &str) {
+    for _ in 0..3 {
+        let Ok(images) = rbd::list_names(ioctx) else {
+            break;
+        };
+        for image in images {
+            if let Ok(img) = rbd::Image::open(ioctx, &image) {
+                if let Ok(snaps) = img.snap_list() {
+                    for s in snaps {
+                        let _ = img.snap_remove_force(&s.name);
                     }
-                    drop(img);
                 }
-                let _ = rbd::remove(&self.ioctx, &name);
+                drop(img);
             }
+            let _ = rbd::remove(ioctx, &image);
         }
-        if let Ok(entries) = rbd::trash_list(&self.ioctx) {
-            for e in entries {
-                let _ = rbd::trash_remove(&self.ioctx, &e.id, true);
-            }
+    }
+    if let Ok(entries) = rbd::trash_list(ioctx) {
+        for e in entries {
+            let _ = rbd::trash_remove(ioctx, &e.id, true);
         }
-        if let Ok(pool) = cluster().ioctx(POOL) {
-            let _ = rbd::namespace_remove(&pool, &self.name);
-        }
+    }
+    if let Ok(p) = cluster().ioctx(pool) {
+        let _ = rbd::namespace_remove(&p, name);
     }
 }
 

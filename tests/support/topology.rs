@@ -92,29 +92,6 @@ impl TopoNs {
 
 impl Drop for TopoNs {
     fn drop(&mut self) {
-        for _ in 0..3 {
-            let Ok(images) = rbd::list_names(&self.ioctx) else {
-                break;
-            };
-            for name in images {
-                if let Ok(img) = rbd::Image::open(&self.ioctx, &name) {
-                    if let Ok(snaps) = img.snap_list() {
-                        for s in snaps {
-                            let _ = img.snap_remove_force(&s.name);
-                        }
-                    }
-                    drop(img);
-                }
-                let _ = rbd::remove(&self.ioctx, &name);
-            }
-        }
-        if let Ok(entries) = rbd::trash_list(&self.ioctx) {
-            for e in entries {
-                let _ = rbd::trash_remove(&self.ioctx, &e.id, true);
-            }
-        }
-        if let Ok(pool) = cluster().ioctx(TOPO_POOL) {
-            let _ = rbd::namespace_remove(&pool, &self.name);
-        }
+        super::ceph::remove_namespace(&self.ioctx, TOPO_POOL, &self.name);
     }
 }
