@@ -338,6 +338,12 @@ impl Drop for CsiEnv {
         // node service mounted (deepest first), then the mapper stops
         // cleanly, then whatever a killed mapper left.
         self.csi.kill9();
+        // Nor the credentials the node service kept in this uid's kernel
+        // keyring (they would outlive the run).
+        for user in [NODE_USER, PROVISIONER_USER, "admin"] {
+            let scope = format!("rbd.rbdkit.io/{}", self.cluster_id);
+            let _ = rbdkit::node::keyring::forget_key(&scope, user);
+        }
         let root = self.dir.path().to_owned();
         let under = || -> Vec<PathBuf> {
             let mut v: Vec<PathBuf> = rbdkit::node::mount::mountinfo()
