@@ -521,8 +521,24 @@ mod guest {
             std::fs::read(target.join("after")).unwrap(),
             b"written with no plugin"
         );
+        // Killed again, then drained: NodeUnstage, which carries no secrets,
+        // releases the staging lock at once, with the credentials the plugin
+        // kept in the kernel's user keyring.
+        w.node.restart();
         w.unpublish(&id, &target).await;
         w.unstage(&id, &staging).await;
+        let image = rbdkit::volume::VolumeId::parse(&id).unwrap().image;
+        let lock = rbdkit::node::stage_lock::ImageLock::open(
+            &support::ceph::cluster(),
+            support::ceph::POOL,
+            &w.ns.name,
+            &image,
+        )
+        .unwrap();
+        assert!(
+            lock.holders().unwrap().lockers.is_empty(),
+            "the staging lock outlived NodeUnstage after a restart"
+        );
         w.delete(&id).await;
         w.assert_no_key_in_log();
     }
