@@ -80,6 +80,7 @@ use crate::csi::proto::{
     NodeStageVolumeResponse, NodeUnpublishVolumeRequest, NodeUnpublishVolumeResponse,
     NodeUnstageVolumeRequest, NodeUnstageVolumeResponse, Topology, VolumeCapability, VolumeUsage,
 };
+use crate::node::cgroup_io::IoMax;
 use crate::node::stage_lock::{self, Acquired, ImageLock, LockMode};
 use crate::node::{fs, mount, options, MapSpec, Mapper};
 use crate::volume::ops::VolumeError;
@@ -130,6 +131,10 @@ pub struct Stash {
     /// released as that user.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
+    /// The image's QoS limits as `io.max`, for krbd (which ignores
+    /// librbd's), read at stage: a publish has no credentials to read them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub io_max: Option<crate::node::cgroup_io::IoMax>,
 }
 
 impl Stash {
@@ -214,6 +219,8 @@ pub struct NodeService {
     default_fs: String,
     /// Read affinity: the flags and the node's labels.
     read_affinity: ReadAffinityFlags,
+    /// The cgroup v2 mount krbd volumes' `io.max` is written under.
+    cgroup_root: PathBuf,
 }
 
 /// `--enable-read-affinity`, `--crush-location-labels`, and the node's
@@ -254,6 +261,7 @@ impl NodeService {
             state_dir,
             default_fs: "ext4".to_owned(),
             read_affinity: ReadAffinityFlags::default(),
+            cgroup_root: PathBuf::from("/sys/fs/cgroup"),
         }
     }
 
@@ -318,17 +326,50 @@ impl NodeService {
         &self,
         vol: &VolumeId,
         secrets: &HashMap<String, String>,
-    ) -> Result<(String, crate::rbd::Features), Status> {
+    ) -> Result<(String, crate::rbd::Features, IoMax), Status> {
         let conn = self.driver.connect(&vol.cluster_id, secrets).await?;
         let v = vol.clone();
         self.driver
             .ceph(&conn, move |c, _m| {
                 let io = c.ioctx_ns(&v.pool, &v.rados_namespace)?;
-                let features = crate::rbd::Image::open_read_only(&io, &v.image)?.features()?;
-                Ok((c.fsid()?, features))
+                let img = crate::rbd::Image::open_read_only(&io, &v.image)?;
+                let limits = crate::volume::qos::Limits::from_metadata(&img.metadata_list()?);
+                Ok((c.fsid()?, img.features()?, io_max_of(&limits)))
             })
             .await
             .map_err(ceph_call_status)
+    }
+
+    /// krbd ignores librbd's QoS settings: a volume with limits gets them
+    /// in the `io.max` of the publishing pod's cgroup, for its device
+    /// ([`crate::node::cgroup_io`]). A limit that cannot be set is an
+    /// error naming why, never silently dropped.
+    async fn limit_krbd(&self, id: &str, st: &Stash, target: &Path) -> Result<(), Status> {
+        let Some(max) = st.io_max.filter(|m| !m.is_empty()) else {
+            return Ok(());
+        };
+        let Some(dev) = st.device.clone().filter(|_| st.mapper == "krbd") else {
+            return Ok(());
+        };
+        let uid = crate::node::cgroup_io::pod_uid(target).ok_or_else(|| {
+            Status::failed_precondition(format!(
+                "volume {id} has QoS limits, which krbd enforces through the pod's cgroup, and \
+                 target path {} names no pod (.../pods/<uid>/volumes/...)",
+                target.display()
+            ))
+        })?;
+        let root = self.cgroup_root.clone();
+        let file = blocking(move || crate::node::cgroup_io::apply(&root, &uid, &dev, &max))
+            .await
+            .map_err(|e| {
+                Status::failed_precondition(format!(
+                    "volume {id} has QoS limits that krbd cannot enforce here: {}; map it with \
+                     rbdkit-fuse (librbd enforces them) or enable cgroup v2's io controller",
+                    e.message()
+                ))
+            })?;
+        tracing::info!(volume = %id, file = %file.display(), limits = ?max, "krbd QoS limits set");
+        Ok(())
     }
 
     fn mapper(&self, name: &str) -> Result<Arc<dyn Mapper>, Status> {
@@ -653,6 +694,20 @@ impl NodeService {
     }
 }
 
+/// The `io.max` of librbd's limits: each direction gets the lower of its
+/// own limit and the combined one (io.max has no combined limit).
+fn io_max_of(limits: &crate::volume::qos::Limits) -> IoMax {
+    use crate::volume::qos::Kind;
+    IoMax::from_limits(
+        limits.get(Kind::Iops),
+        limits.get(Kind::ReadIops),
+        limits.get(Kind::WriteIops),
+        limits.get(Kind::Bps),
+        limits.get(Kind::ReadBps),
+        limits.get(Kind::WriteBps),
+    )
+}
+
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> crate::Result<T> + Send + 'static,
 ) -> Result<T, Status> {
@@ -884,7 +939,7 @@ impl Node for NodeService {
         let info = self.driver.cluster(&vol.cluster_id)?;
         self.release_pending(&vol.cluster_id, &secrets.0, &id).await;
 
-        let (fsid, features) = self.image_facts(&vol, &secrets.0).await?;
+        let (fsid, features, io_max) = self.image_facts(&vol, &secrets.0).await?;
         let mut already_mapped = None;
         for m in &candidates {
             m.adopt(&id, &fsid);
@@ -911,6 +966,7 @@ impl Node for NodeService {
             lock: lock_mode,
             cluster_fsid: Some(fsid.clone()),
             user: Some(creds.user.clone()),
+            io_max: (!io_max.is_empty()).then_some(io_max),
         };
         if let Some(old) = &old_stash {
             stash.mapper = old.mapper.clone();
@@ -1239,6 +1295,9 @@ impl Node for NodeService {
         }
         let t = target.clone();
         blocking(move || mount::ensure_bind(&source, &t, read_only)).await?;
+        if let Some(st) = &stash {
+            self.limit_krbd(&id, st, &target).await?;
+        }
         if let Some(st) = stash.as_mut() {
             if !st.published.contains(&target) {
                 st.published.push(target.clone());

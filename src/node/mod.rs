@@ -10,6 +10,7 @@
 //! tool (`mount`, `ioctl(LOOP_CONFIGURE)`, `mkfs.xfs`) and the object the
 //! path or image it concerned.
 
+pub mod cgroup_io;
 mod command;
 pub mod fs;
 pub mod keyring;

@@ -23,6 +23,7 @@ const GUEST_TESTS: &[&str] = &[
     "kernel_vm::guest::krbd_probe_is_ready_with_krbd_the_default",
     "kernel_vm::guest::krbd_one_writer_across_two_node_plugins",
     "kernel_vm::guest::krbd_refuses_image_features_the_kernel_lacks_by_name",
+    "kernel_vm::guest::krbd_qos_limits_go_into_the_pods_cgroup_io_max",
     "node_fuse::worker_kill9_with_writes_and_fsyncs_in_flight",
     "node_fuse::mounted_filesystem_survives_kill9_of_the_worker",
 ];
@@ -541,6 +542,94 @@ mod guest {
         );
         w.delete(&id).await;
         w.assert_no_key_in_log();
+    }
+
+    /// krbd ignores librbd's QoS settings: a volume's limits go into the
+    /// `io.max` of the publishing pod's cgroup (found by the pod uid in the
+    /// target path, as the kubelet's systemd driver names it), and 50
+    /// direct 4 KiB writes from that cgroup run at most at the limit (only
+    /// that bound is asserted: load can only slow them more).
+    #[tokio::test(flavor = "multi_thread")]
+    #[ignore = "needs the kernel guest: kernel_vm::debian_6_1_guest runs it there"]
+    async fn krbd_qos_limits_go_into_the_pods_cgroup_io_max() {
+        const LIMIT: f64 = 10.0;
+        const WRITES: u32 = 50;
+        let w = World::new("kvm-qos", mon_v1()).await;
+        let id = w
+            .ctl
+            .create_volume("pvc-qos", 64 * MIB, mount_cap("ext4"))
+            .await;
+        let image = rbdkit::volume::VolumeId::parse(&id).unwrap().image;
+        // What a class's QoS sets: librbd's image setting.
+        rbdkit::rbd::Image::open(&w.ns.ioctx, &image)
+            .unwrap()
+            .metadata_set("conf_rbd_qos_write_iops_limit", &LIMIT.to_string())
+            .unwrap();
+        // A pod's cgroup as the kubelet's systemd driver makes it, with the
+        // io controller enabled down to it.
+        let uid = "5f0c2d1e-7a3b-4c8d-9e0f-1a2b3c4d5e6f";
+        let root = Path::new("/sys/fs/cgroup");
+        let kubepods = root.join("kubepods.slice");
+        let pod = kubepods.join(format!("kubepods-pod{}.slice", uid.replace('-', "_")));
+        std::fs::write(root.join("cgroup.subtree_control"), "+io").unwrap();
+        std::fs::create_dir_all(&kubepods).unwrap();
+        std::fs::write(kubepods.join("cgroup.subtree_control"), "+io").unwrap();
+        std::fs::create_dir_all(&pod).unwrap();
+
+        let (staging, _) = w.paths("q");
+        let target = w.dir.path().join(format!(
+            "pods/{uid}/volumes/kubernetes.io~csi/pvc-qos/mount"
+        ));
+        std::fs::create_dir_all(target.parent().unwrap()).unwrap();
+        w.stage(&id, &staging, mount_cap("ext4"), &[]).await;
+        w.publish(&id, &staging, &target, mount_cap("ext4")).await;
+        let dev = PathBuf::from(format!("/dev/rbd{}", w.device().id));
+        let (major, minor) = rbdkit::node::cgroup_io::device_numbers(&dev).unwrap();
+        let io_max = std::fs::read_to_string(pod.join("io.max")).unwrap();
+        assert!(
+            io_max.contains(&format!(
+                "{major}:{minor} rbps=max wbps=max riops=max wiops={LIMIT}"
+            )),
+            "{io_max}"
+        );
+
+        // Direct writes from a process in the pod's cgroup.
+        let t = Instant::now();
+        let out = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "echo $$ > {}/cgroup.procs && exec dd if=/dev/zero of={}/f bs=4k count={WRITES} oflag=direct",
+                pod.display(),
+                target.display()
+            ))
+            .output()
+            .unwrap();
+        let took = t.elapsed().as_secs_f64();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stat = std::fs::read_to_string(pod.join("io.stat")).unwrap();
+        let wios: u64 = stat
+            .lines()
+            .find(|l| l.starts_with(&format!("{major}:{minor} ")))
+            .and_then(|l| l.split_whitespace().find_map(|f| f.strip_prefix("wios=")))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        let iops = f64::from(WRITES) / took;
+        eprintln!("{WRITES} direct 4 KiB writes in the pod's cgroup: {took:.2} s, {iops:.1} IOPS (limit {LIMIT}), wios {wios}");
+        assert!(
+            wios >= u64::from(WRITES),
+            "the writes were not the pod cgroup's: {stat}"
+        );
+        assert!(iops <= LIMIT * 1.5, "{iops:.1} IOPS over the {LIMIT} limit");
+
+        w.unpublish(&id, &target).await;
+        w.unstage(&id, &staging).await;
+        w.delete(&id).await;
+        let _ = std::fs::remove_dir(&pod);
+        let _ = std::fs::remove_dir(&kubepods);
     }
 
     #[tokio::test(flavor = "multi_thread")]
