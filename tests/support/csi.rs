@@ -339,10 +339,18 @@ impl Drop for CsiEnv {
         // cleanly, then whatever a killed mapper left.
         self.csi.kill9();
         // Nor the credentials the node service kept in this uid's kernel
-        // keyring (they would outlive the run).
-        for user in [NODE_USER, PROVISIONER_USER, "admin"] {
-            let scope = format!("rbd.rbdkit.io/{}", self.cluster_id);
-            let _ = rbdkit::node::keyring::forget_key(&scope, user);
+        // keyring (they would outlive the run), for every cluster of its
+        // config (a test may have added one).
+        let config = std::fs::read(self.dir.path().join("config.json")).unwrap_or_default();
+        let ids: Vec<String> = serde_json::from_slice::<serde_json::Value>(&config)
+            .ok()
+            .and_then(|v| v.as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|c| c["clusterID"].as_str().map(str::to_owned))
+            .collect();
+        for id in ids.iter().chain(std::iter::once(&self.cluster_id)) {
+            forget_kept_keys(&format!("rbd.rbdkit.io/{id}"));
         }
         let root = self.dir.path().to_owned();
         let under = || -> Vec<PathBuf> {
@@ -377,5 +385,28 @@ impl Drop for CsiEnv {
             let _ = rbdkit::node::mount::ensure_unmounted(&p);
         }
         clear_loops();
+    }
+}
+
+/// Drops the credentials node services kept in this uid's kernel keyring
+/// under `scope` (`<driver>/<clusterID>`, or a prefix of it), as listed in
+/// `/proc/keys`. Best effort: for fixtures' clean-up.
+pub fn forget_kept_keys(scope: &str) {
+    let Ok(keys) = std::fs::read_to_string("/proc/keys") else {
+        return;
+    };
+    let prefix = format!("rbdkit:{scope}");
+    for line in keys.lines() {
+        // serial flags usage timeout perm uid gid type description: ...
+        let Some(desc) = line.split_whitespace().nth(8) else {
+            continue;
+        };
+        let desc = desc.trim_end_matches(':');
+        if !desc.starts_with(&prefix) {
+            continue;
+        }
+        if let Some((kept_scope, user)) = desc["rbdkit:".len()..].rsplit_once(':') {
+            let _ = rbdkit::node::keyring::forget_key(kept_scope, user);
+        }
     }
 }

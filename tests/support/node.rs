@@ -540,6 +540,7 @@ impl Drop for NodePlugin {
         // whatever is left under our directory.
         self.registrar.kill9();
         self.csi.kill9();
+        super::csi::forget_kept_keys(&format!("{}/", self.driver));
         let loops = self.loop_devices();
         let mut mounts: Vec<PathBuf> = rbdkit::node::mount::mountinfo()
             .unwrap_or_default()
