@@ -271,13 +271,23 @@ impl ControllerService {
             .into_iter()
             .filter(|(c, _, _)| self.driver.clusters.get(c).is_some())
             .collect();
+        // Which clusters this server has credentials for, read once.
+        let mut with_credentials = BTreeSet::new();
+        for id in self.driver.clusters.config().ids() {
+            if self.driver.has_credentials(&id)? {
+                with_credentials.insert(id);
+            } else {
+                tracing::warn!(cluster = %id,
+                    "volumes cannot be listed: no credentials for this cluster yet (--credentials-dir, or a call with secrets)");
+            }
+        }
         let mut places = seen.clone();
-        places.extend(self.found_pools().await?);
+        places.extend(self.found_pools(&with_credentials).await);
         let mut all = Vec::new();
         for place in places {
-            // Without credentials nothing is known of it (found_pools
-            // warned): not "inaccessible".
-            if !self.driver.has_credentials(&place.0)? {
+            // Without credentials nothing is known of it (warned above):
+            // not "inaccessible".
+            if !with_credentials.contains(&place.0) {
                 continue;
             }
             match self.scan_pool(&place, health).await {
@@ -300,24 +310,16 @@ impl ControllerService {
         Ok(all)
     }
 
-    /// The RBD pools of every configured cluster this server has
-    /// credentials for, in each cluster's namespace. A cluster that cannot
-    /// be asked is logged and left to the pools seen there; half a pair of
-    /// credentials in `--credentials-dir` is an error naming the file.
-    async fn found_pools(&self) -> Result<Vec<(String, String, String)>, Status> {
+    /// The RBD pools of `clusters` (those this server has credentials
+    /// for), in each cluster's namespace. A cluster that cannot be asked is
+    /// logged and left to the pools seen there.
+    async fn found_pools(&self, clusters: &BTreeSet<String>) -> Vec<(String, String, String)> {
         let mut out = Vec::new();
-        let mut ids = self.driver.clusters.config().ids();
-        ids.sort();
-        for cluster_id in ids {
-            if !self.driver.has_credentials(&cluster_id)? {
-                tracing::warn!(cluster = %cluster_id,
-                    "volumes cannot be listed: no credentials for this cluster yet (--credentials-dir, or a call with secrets)");
-                continue;
-            }
-            let Ok(info) = self.driver.cluster(&cluster_id) else {
+        for cluster_id in clusters {
+            let Ok(info) = self.driver.cluster(cluster_id) else {
                 continue;
             };
-            let found = match self.driver.connect(&cluster_id, &HashMap::new()).await {
+            let found = match self.driver.connect(cluster_id, &HashMap::new()).await {
                 Ok(conn) => self
                     .driver
                     .ceph(&conn, |c, _m| Ok(crate::volume::rbd_pools(c)?))
@@ -335,7 +337,7 @@ impl ControllerService {
                     "the cluster's pools cannot be listed; only those seen before are"),
             }
         }
-        Ok(out)
+        out
     }
 
     /// What a health list says of a pool that cannot be scanned: the
