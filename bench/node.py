@@ -19,10 +19,16 @@ KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30
 
-CONTENDERS = ["rbd-bench", "mapper-block", "mapper-fs", "mapper-pod", "rbd-fuse"]
+CONTENDERS = ["rbd-bench", "mapper-block", "mapper-fs", "mapper-pod", "rbd-fuse",
+              "mapper-enc", "librbd", "librbd-enc"]
 NAMES = {"rbd-bench": "rbd bench", "mapper-block": "mapper, block",
          "mapper-fs": "mapper, ext4 file", "mapper-pod": "mapper, ext4 as a pod gets it",
-         "rbd-fuse": "rbd-fuse + loop"}
+         "rbd-fuse": "rbd-fuse + loop", "mapper-enc": "mapper, block, LUKS2",
+         "librbd": "librbd (rbdkit-bench)", "librbd-enc": "librbd LUKS2 (rbdkit-bench)"}
+# The LUKS2 passphrase of the encrypted image (a bench, not a secret).
+ENC_PASSPHRASE = "bench-passphrase-of-the-encrypted-image"
+# What LUKS2 takes of an image (its header; src/volume/luks.rs DATA_OFFSET).
+LUKS2_HEADER = 16 << 20
 # What NodeStage runs when the StorageClass gives no mkfsOptions
 # (src/node/fs.rs, default_mkfs_options): lazy inode table and journal init.
 NODESTAGE_MKFS_EXT4 = ["-m0", "-Enodiscard,lazy_itable_init=1,lazy_journal_init=1"]
@@ -199,9 +205,12 @@ class Mapper:
             raise NodeError(f"fuse-mapper {req['op']}: {r.get('error')}")
         return r
 
-    def attach(self, vol, pool, image):
-        r = self.ok({"op": "attach", "volume_id": vol, "monitors": [self.mon], "user": "admin",
-                     "key": self.key, "pool": pool, "image": image}, timeout=120)
+    def attach(self, vol, pool, image, passphrase=None):
+        req = {"op": "attach", "volume_id": vol, "monitors": [self.mon], "user": "admin",
+               "key": self.key, "pool": pool, "image": image}
+        if passphrase:
+            req["encryption"] = passphrase
+        r = self.ok(req, timeout=120)
         return r["device"]
 
     def detach(self, vol):
@@ -305,7 +314,9 @@ class Node:
         self.c = c  # driver.Contenders: cluster, rbd bench, measured()
         self.cfg = cfg
         self.pool = pool
+        self.bin = rbdkit_bin
         self.raw = f"node-raw-{tag}"
+        self.enc = f"node-enc-{tag}"
         self.fsimg = f"node-fs-{tag}"
         self.podimg = f"node-pod-{tag}"
         self.podmnt = None
@@ -320,6 +331,8 @@ class Node:
         self.podmnt.mkdir()
         self.rss = {}
         self.mapper = Mapper(rbdkit_bin, c.cl.conf, self.work)
+        self.passfile = self.work / "luks-passphrase"
+        self.passfile.write_text(ENC_PASSPHRASE)
 
     # -- setup -------------------------------------------------------------
 
@@ -331,6 +344,22 @@ class Node:
         c.cl.rbd("bench", "--io-type", "write", "--io-size", str(4 * MiB), "--io-threads", "16",
                  "--io-total", str(self.size), "--io-pattern", "seq", f"{pool}/{self.raw}")
         self.mapper.start()
+        # The encrypted image: rbdkit's LUKS2 header (the per-volume KDF,
+        # as a provisioned volume has), its data segment filled through the
+        # mapper (encrypted on the way), as the raw image is by rbd bench.
+        c.cl.rbd("create", "--size", f"{self.size // MiB}M", f"{pool}/{self.enc}")
+        env = dict(os.environ)
+        env.pop("CEPH_ARGS", None)
+        run([str(self.bin), "image", "-c", c.cl.conf, "encryption", "format", f"{pool}/{self.enc}",
+             "--passphrase-file", str(self.passfile), "--pbkdf-time-ms", "0"])
+        dev = self.mapper.attach("bench-enc", pool, self.enc, ENC_PASSPHRASE)
+        try:
+            log(f"node: prefilling {self.enc} through the mapper (LUKS2)")
+            run(["fio", "--name=fill", f"--filename={dev}", "--direct=1", "--ioengine=libaio",
+                 "--iodepth=16", "--rw=write", f"--bs={4 * MiB}",
+                 f"--size={self.size - LUKS2_HEADER}", "--end_fsync=1"], timeout=FIO_TIMEOUT)
+        finally:
+            self.mapper.detach("bench-enc")
         log(f"node: ext4 on {self.fsimg}, one {self.fs_file_bytes // MiB} MiB file written "
             "through (no unwritten extents)")
         dev = self.mapper.attach("bench-fs", pool, self.fsimg)
@@ -402,7 +431,7 @@ class Node:
         if self.mapper.p:
             self.rss["peak_kib"] = tree_rss_kib(self.mapper.p.pid, "VmHWM")
         self.mapper.stop()
-        for img in (self.raw, self.fsimg, self.podimg):
+        for img in (self.raw, self.fsimg, self.podimg, self.enc):
             try:
                 self.c.cl.rbd("rm", "--no-progress", f"{self.pool}/{img}")
             except Exception:  # noqa: BLE001 - the cluster goes away anyway
@@ -423,6 +452,30 @@ class Node:
             self.mapper.detach("bench-raw")
         res["fio_cpu_s"] = fio_cpu
         return res
+
+    def mapper_enc(self, wl):
+        workload, bs, qd, ops = wl
+        dev = self.mapper.attach("bench-enc", self.pool, self.enc, ENC_PASSPHRASE)
+        try:
+            fsync_path(dev)
+            cpu0 = self.mapper.cpu_s()
+            res, fio_cpu = fio(dev, workload, bs, qd, ops, self.size - LUKS2_HEADER)
+            res["server_cpu_s"] = self.mapper.cpu_s() - cpu0
+        finally:
+            self.mapper.detach("bench-enc")
+        res["fio_cpu_s"] = fio_cpu
+        return res
+
+    def librbd(self, wl, encrypted):
+        """rbdkit-bench's data mode in process: librbd with and without its
+        own LUKS2 layer (rbd_encryption_load), which no `rbd bench` has."""
+        workload, bs, qd, ops = wl
+        extra = {"luks-passphrase-file": self.passfile} if encrypted else {}
+        out = self.c.lib("rbdkit", "data", image=self.enc if encrypted else self.raw,
+                         workload=workload, bs=bs, qd=qd, ops=ops, **extra)
+        out["fio_cpu_s"] = out.get("cpu_s", 0.0)
+        out["server_cpu_s"] = 0.0
+        return out
 
     def mapper_fs(self, wl):
         workload, bs, qd, ops = wl
@@ -507,8 +560,11 @@ class Node:
             out["fio_cpu_s"] = out["cpu_s"]
             out["server_cpu_s"] = 0.0
             return out
+        if who in ("librbd", "librbd-enc"):
+            return self.librbd(wl, who == "librbd-enc")
         return {"mapper-block": self.mapper_block, "mapper-fs": self.mapper_fs,
-                "mapper-pod": self.mapper_pod, "rbd-fuse": self.rbd_fuse}[who](wl)
+                "mapper-pod": self.mapper_pod, "rbd-fuse": self.rbd_fuse,
+                "mapper-enc": self.mapper_enc}[who](wl)
 
 
 def section_node(c, cfg, errors, tag, rbdkit_bin, pool, rotate, settle):
@@ -575,6 +631,9 @@ def summarize(node, spread, med, target):
             ratios[f"{w} / rbd-bench|{wk}"] = ratio(w, "rbd-bench")
         ratios[f"mapper-block / rbd-fuse|{wk}"] = ratio("mapper-block", "rbd-fuse")
         ratios[f"mapper-fs / rbd-fuse|{wk}"] = ratio("mapper-fs", "rbd-fuse")
+        ratios[f"mapper-enc / mapper-block|{wk}"] = ratio("mapper-enc", "mapper-block")
+        ratios[f"librbd-enc / librbd|{wk}"] = ratio("librbd-enc", "librbd")
+        ratios[f"mapper-enc / librbd-enc|{wk}"] = ratio("mapper-enc", "librbd-enc")
     for wk in node["workloads"]:
         goal = GOALS["rand" if wk.startswith("rand") else "seq"]
         targets.append(target(f"node {wk}: mapper block vs rbd bench",
@@ -662,7 +721,7 @@ def render(results, summary, cfg, fmt_ratio, fmt_num):
     L.append("The userspace server's CPU seconds per GiB moved, medians (all its threads; "
              "kernel threads not counted):")
     L.append("")
-    servers = [w for w in node["contenders"] if w != "rbd-bench"]
+    servers = [w for w in node["contenders"] if w not in ("rbd-bench", "librbd", "librbd-enc")]
     L.append("| workload | " + " | ".join(NAMES[w] for w in servers) + " |")
     L.append("|---|" + "---|" * len(servers))
     for wk in node["workloads"]:
@@ -672,6 +731,21 @@ def render(results, summary, cfg, fmt_ratio, fmt_num):
             cells.append("–" if not p or "server_cpu_s_per_gib" not in p
                          else fmt_num(p["server_cpu_s_per_gib"]))
         L.append(f"| {wk} | " + " | ".join(cells) + " |")
+    L.append("")
+    L.append("Encryption (issue 26): a fourth image of the same size with rbdkit's LUKS2 header "
+             "(aes-xts-plain64, 512-bit key, 4096-byte sectors), filled through the mapper. "
+             "*mapper, block, LUKS2*: its `/dev/loopN` (rbdkit-fuse decrypts in its data path); "
+             "*librbd*, *librbd LUKS2*: `rbdkit-bench data` in process on the raw image, and on "
+             "the encrypted one after `rbd_encryption_load` (librbd's own LUKS2 layer: no "
+             "release's `rbd bench` can load encryption). Ratios per round, median (min–max):")
+    L.append("")
+    L.append("| workload | mapper LUKS2 / mapper plain | librbd LUKS2 / librbd plain | "
+             "mapper LUKS2 / librbd LUKS2 |")
+    L.append("|---|---|---|---|")
+    for wk in node["workloads"]:
+        L.append(f"| {wk} | {fmt_ratio(r.get(f'mapper-enc / mapper-block|{wk}'))} | "
+                 f"{fmt_ratio(r.get(f'librbd-enc / librbd|{wk}'))} | "
+                 f"{fmt_ratio(r.get(f'mapper-enc / librbd-enc|{wk}'))} |")
     L.append("")
     rss = node.get("rss") or {}
     if rss.get("attached_kib"):

@@ -15,6 +15,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::rados::{Cluster, ConnectOptions, IoCtx, Secret};
 use crate::rbd::{self, Features, Image, ImageOptions};
 
+pub mod encryption;
 pub mod gc;
 pub use gc::{run_gc, GcArgs};
 pub mod migrate;
@@ -142,6 +143,9 @@ pub enum ImageCommand {
     /// Snapshots.
     #[command(subcommand)]
     Snap(SnapCommand),
+    /// Encrypted volumes: status and passphrase rotation.
+    #[command(subcommand)]
+    Encryption(encryption::EncryptionCommand),
 }
 
 /// The snapshot subcommands.
@@ -396,6 +400,7 @@ pub fn run_image(args: ImageArgs) -> Result<()> {
             rbd::remove(&spec.ioctx(&c)?, &spec.image)?;
         }
         ImageCommand::Snap(cmd) => run_snap(&args.connect, cmd, json)?,
+        ImageCommand::Encryption(cmd) => encryption::run(&args.connect, cmd, json)?,
     }
     Ok(())
 }

@@ -1,7 +1,10 @@
 //! `rbdkit gc`: lists (and with `--apply` removes) the images, temporary
 //! images, trash entries and temporary snapshots a provisioner owns that no
-//! PV or claim refers to, and the RBD groups group snapshot creates left. The Ceph side is [`crate::volume::gc`]; this is
-//! the Kubernetes side and the report.
+//! PV or claim refers to, and the RBD groups group snapshot creates left,
+//! and reports the Vault keys of removed encrypted images whose removal
+//! from Vault a crash cut short ([`crate::volume::gc::kms_leftovers`]). The
+//! Ceph side is [`crate::volume::gc`]; this is the Kubernetes side and the
+//! report.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -289,6 +292,9 @@ pub async fn run_gc(args: GcArgs) -> anyhow::Result<()> {
     };
     let mut problems: Vec<String> = Vec::new();
     let mut lines: Vec<Line> = Vec::new();
+    // Vault keys of removed images: reported, not removed (gc holds no
+    // Vault credentials; a retried delete of the handle removes them).
+    let mut kms_keys: Vec<gc::KmsLeftover> = Vec::new();
     let mut scanned = Vec::new();
     let (mut owned_total, mut foreign_total) = (0usize, 0usize);
     let mut secrets: BTreeMap<SecretRef, Credentials> = BTreeMap::new();
@@ -340,19 +346,21 @@ pub async fn run_gc(args: GcArgs) -> anyhow::Result<()> {
         let work = {
             let (cid, pool, prov) = (cluster_id.clone(), pool.clone(), args.provisioner.clone());
             let (conn, info, grace) = (conn.clone(), info.clone(), args.group_grace);
-            move || -> crate::Result<(Cluster, gc::Scan)> {
+            move || -> crate::Result<(Cluster, gc::Scan, Vec<gc::KmsLeftover>)> {
                 let c = conn.connect(&info, creds.as_ref())?;
                 let s = gc::scan(&c, &cid, &pool, &info.rados_namespace, &prov, grace)?;
-                Ok((c, s))
+                let k = gc::kms_leftovers(&c, &cid, &pool, &info.rados_namespace)?;
+                Ok((c, s, k))
             }
         };
-        let (cluster, scan) = match tokio::task::spawn_blocking(work).await? {
+        let (cluster, scan, kms_left) = match tokio::task::spawn_blocking(work).await? {
             Ok(r) => r,
             Err(e) => {
                 problems.push(format!("pool {pool} of cluster {cluster_id}: {e}"));
                 continue;
             }
         };
+        kms_keys.extend(kms_left);
         owned_total += scan.owned.len();
         foreign_total += scan.foreign;
         problems.extend(scan.unreadable.iter().cloned());
@@ -417,11 +425,20 @@ pub async fn run_gc(args: GcArgs) -> anyhow::Result<()> {
                 }
                 println!("{line}");
             }
+            for k in &kms_keys {
+                println!(
+                    "kmskey {}  kms={} key={} tenant={}  left in the KMS (retry the delete of this handle, or remove the key there)",
+                    k.handle,
+                    k.key.kms,
+                    k.key.key,
+                    k.key.tenant.as_deref().unwrap_or("-")
+                );
+            }
             for p in &problems {
                 println!("error  {p}");
             }
             println!(
-                "summary: {} pool(s) scanned; {} to collect ({} orphan, {} temp, {} trash, {} tempsnap, {} group); {} removed, {} failed; {} owned and still referenced; {} foreign left alone; {} error(s){}",
+                "summary: {} pool(s) scanned; {} to collect ({} orphan, {} temp, {} trash, {} tempsnap, {} group); {} removed, {} failed; {} owned and still referenced; {} foreign left alone; {} KMS key(s) of removed images; {} error(s){}",
                 scanned.len(),
                 lines.len(),
                 count(Kind::Orphan),
@@ -433,6 +450,7 @@ pub async fn run_gc(args: GcArgs) -> anyhow::Result<()> {
                 failed,
                 referenced,
                 foreign_total,
+                kms_keys.len(),
                 problems.len(),
                 if args.apply { "" } else { "; dry run, pass --apply to remove" },
             );
@@ -463,6 +481,12 @@ pub async fn run_gc(args: GcArgs) -> anyhow::Result<()> {
                     "apply": args.apply,
                     "pools": scanned,
                     "objects": objects,
+                    "kms_keys": kms_keys.iter().map(|k| json!({
+                        "handle": k.handle,
+                        "kms": k.key.kms,
+                        "key": k.key.key,
+                        "tenant": k.key.tenant,
+                    })).collect::<Vec<_>>(),
                     "errors": problems,
                     "summary": {
                         "to_collect": lines.len(),

@@ -550,18 +550,43 @@ impl Controller for ControllerService {
         let options = params
             .image_options()
             .map_err(|e| Status::invalid_argument(format!("image options: {e}")))?;
+        let encryption = match &params.encryption {
+            None => None,
+            Some(e) => {
+                let parent = source.as_ref().map(|s| match s {
+                    Source::Snapshot(s) => s.image_id(),
+                    Source::Volume(v) => v.clone(),
+                });
+                let tenant = Some(owner.pvc_namespace.as_str()).filter(|t| !t.is_empty());
+                Some(
+                    self.driver
+                        .new_encryption(&conn, e, &vol, parent, tenant, &req.secrets)
+                        .await?,
+                )
+            }
+        };
         let v = vol.clone();
         let created = match source {
             None => self
                 .driver
                 .ceph_holding(&busy, &conn, move |c, m| {
-                    ops::ensure_image(c, m, &CO_SERIALISED, &v, size, &options, &owner)
+                    ops::ensure_image_encrypted(
+                        c,
+                        m,
+                        &CO_SERIALISED,
+                        &v,
+                        size,
+                        &options,
+                        &owner,
+                        encryption.as_ref(),
+                    )
                 })
                 .await
                 .map_err(|e| volume_status(&e))?,
             Some(source) => {
                 let opts = CloneOptions {
                     depth: params.clone_depth,
+                    encryption,
                     ..Default::default()
                 };
                 let cloned = self
@@ -628,26 +653,21 @@ impl Controller for ControllerService {
         let conn = self.driver.connect(&vol.cluster_id, &req.secrets).await?;
         let name = self.driver.name.clone();
         let v = vol.clone();
-        let outcome = self
+        // A Vault key goes once the image is gone.
+        let done = self
             .driver
-            .ceph_holding(&busy, &conn, move |c, m| {
-                match ops::recorded_pv_name(c, m, &v, &name)? {
-                    None => Ok(ops::Deleted::AlreadyGone),
-                    Some(pv) => ops::delete_image(c, m, &CO_SERIALISED, &v, &name, &pv),
+            .remove_with_key(&busy, &conn, &vol, id, false, &req.secrets, move |c, m| {
+                match ops::recorded_pv_name(c, m, &v, &name) {
+                    Ok(None) => Ok(ops::Deleted::AlreadyGone),
+                    Ok(Some(pv)) => ops::delete_image(c, m, &CO_SERIALISED, &v, &name, &pv),
+                    // The pool itself is gone: so is the volume.
+                    Err(VolumeError::Ceph(e)) if e.is_not_found() => Ok(ops::Deleted::AlreadyGone),
+                    Err(e) => Err(e),
                 }
             })
-            .await;
-        match outcome {
-            Ok(done) => {
-                tracing::info!(volume = %vol, outcome = ?done, "DeleteVolume done");
-                Ok(Response::new(DeleteVolumeResponse {}))
-            }
-            // The pool itself is gone: so is the volume.
-            Err(VolumeError::Ceph(e)) if e.is_not_found() => {
-                Ok(Response::new(DeleteVolumeResponse {}))
-            }
-            Err(e) => Err(volume_status(&e)),
-        }
+            .await?;
+        tracing::info!(volume = %vol, outcome = ?done, "DeleteVolume done");
+        Ok(Response::new(DeleteVolumeResponse {}))
     }
 
     async fn controller_publish_volume(
@@ -881,6 +901,10 @@ impl Controller for ControllerService {
             })
             .await
             .map_err(|e| volume_status(&e))?;
+        // A Vault-encrypted source's key, copied under the snapshot's id.
+        self.driver
+            .snapshot_key(&conn, &info.id.image_id(), &info.id.handle(), &req.secrets)
+            .await?;
         self.driver.saw_pool(&source);
         tracing::info!(snapshot = %info.id, source = %source, "CreateSnapshot done");
         Ok(Response::new(CreateSnapshotResponse {
@@ -902,23 +926,24 @@ impl Controller for ControllerService {
         let conn = self.driver.connect(&sid.cluster_id, &req.secrets).await?;
         let name = self.driver.name.clone();
         let s = sid.clone();
-        let outcome = self
+        let done = self
             .driver
-            .ceph_holding(&busy, &conn, move |c, m| {
-                snap::delete_snapshot(c, m, &s, &name)
-            })
-            .await;
-        match outcome {
-            Ok(done) => {
-                tracing::info!(snapshot = %sid, outcome = ?done, "DeleteSnapshot done");
-                Ok(Response::new(DeleteSnapshotResponse {}))
-            }
-            // The pool itself is gone: so is the snapshot.
-            Err(VolumeError::Ceph(e)) if e.is_not_found() => {
-                Ok(Response::new(DeleteSnapshotResponse {}))
-            }
-            Err(e) => Err(volume_status(&e)),
-        }
+            .remove_with_key(
+                &busy,
+                &conn,
+                &sid.image_id(),
+                id,
+                true,
+                &req.secrets,
+                move |c, m| match snap::delete_snapshot(c, m, &s, &name) {
+                    // The pool itself is gone: so is the snapshot.
+                    Err(VolumeError::Ceph(e)) if e.is_not_found() => Ok(ops::Deleted::AlreadyGone),
+                    other => other,
+                },
+            )
+            .await?;
+        tracing::info!(snapshot = %sid, outcome = ?done, "DeleteSnapshot done");
+        Ok(Response::new(DeleteSnapshotResponse {}))
     }
 
     async fn list_snapshots(

@@ -38,6 +38,12 @@ pub struct Driver {
     pub observer: Arc<dyn CephObserver>,
     /// Work that outlives its request (a group snapshot's member copies).
     pub jobs: crate::csi::jobs::Jobs,
+    /// The KMS config file of encrypted volumes, read at each use.
+    pub kms_config: std::path::PathBuf,
+    /// The kubeconfig the Vault KMS's tenant kinds read Secrets with
+    /// (`None`: the pod's service account).
+    pub kubeconfig: Option<std::path::PathBuf>,
+    kube: tokio::sync::OnceCell<kube::Client>,
     inflight: Arc<Mutex<HashSet<String>>>,
     // Calls that carry no secrets (ListVolumes, GetCapacity, Probe) use the
     // credentials an earlier call brought for the same cluster. In memory
@@ -124,6 +130,9 @@ impl Driver {
             pool,
             observer,
             jobs: crate::csi::jobs::Jobs::new(),
+            kms_config: crate::volume::kms::DEFAULT_CONFIG_PATH.into(),
+            kubeconfig: None,
+            kube: tokio::sync::OnceCell::new(),
             inflight: Arc::new(Mutex::new(HashSet::new())),
             known: Mutex::new(HashMap::new()),
             known_users: Mutex::new(HashMap::new()),
@@ -205,6 +214,234 @@ impl Driver {
             Some(dir) => CredentialsDir(dir.clone()).for_cluster(cluster_id),
             None => Ok(None),
         }
+    }
+
+    /// Reads the KMS config of encrypted volumes from `path`.
+    pub fn with_kms_config(mut self, path: std::path::PathBuf) -> Driver {
+        self.kms_config = path;
+        self
+    }
+
+    /// Reads Kubernetes objects (the Vault KMS's tenant kinds) through
+    /// `path` instead of the pod's service account.
+    pub fn with_kubeconfig(mut self, path: Option<std::path::PathBuf>) -> Driver {
+        self.kubeconfig = path;
+        self
+    }
+
+    /// The KMS config, read now.
+    pub fn kms(&self) -> Result<crate::volume::kms::KmsConfig, Status> {
+        crate::volume::kms::KmsConfig::load(&self.kms_config).map_err(|e| status_of(&e))
+    }
+
+    /// The KMS keys for encrypted volumes of KMS `kms_id` from a request's
+    /// `secrets`, and, for a Vault KMS, the passphrase `given` fetched from
+    /// it ([`Driver::key_store`]): INVALID_ARGUMENT naming the KMS and what
+    /// is missing.
+    pub fn kms_keys(
+        &self,
+        kms_id: &str,
+        secrets: &HashMap<String, String>,
+        given: Option<Secret>,
+    ) -> Result<crate::volume::kms::Keys, Status> {
+        use crate::volume::kms;
+        let kind = self.kms()?.kind(kms_id).map_err(|e| status_of(&e))?;
+        let passphrase = secrets
+            .get(kms::PASSPHRASE_KEY)
+            .map(|p| crate::rados::Secret::from(p.as_str()));
+        kms::keys_for(kms_id, kind, passphrase, given).map_err(|e| status_of(&e))
+    }
+
+    /// The Vault key store of KMS `kms_id` for a request of `tenant` (the
+    /// claim's namespace) with `secrets`, or `None` when `kms_id` is not a
+    /// Vault KMS. The tenant kinds (`vaulttokens`, `vaulttenantsa`) read the
+    /// tenant's Secrets, ConfigMap or service account through the API server
+    /// (--kubeconfig, else the pod's service account); `vault` needs none.
+    pub async fn key_store(
+        &self,
+        kms_id: &str,
+        tenant: Option<&str>,
+        secrets: &HashMap<String, String>,
+    ) -> Result<Option<crate::volume::kms::keystore::KeyStore>, Status> {
+        use crate::volume::kms::vault::{KmsContext, VaultKind};
+        let Some(vault) = self.kms()?.vault(kms_id).map_err(|e| status_of(&e))? else {
+            return Ok(None);
+        };
+        let kube = if vault.kind() == VaultKind::Vault {
+            None
+        } else {
+            let client = self
+                .kube
+                .get_or_try_init(|| crate::k8s::client::client(self.kubeconfig.as_deref()))
+                .await
+                .map_err(|e| {
+                    Status::failed_precondition(format!(
+                        "KMS {kms_id:?} is a {} KMS, which reads the tenant's Kubernetes objects, \
+                         and this driver cannot reach the API server (give --kubeconfig, or run \
+                         it in a pod with a service account): {e:#}",
+                        vault.kind()
+                    ))
+                })?;
+            Some(client.clone())
+        };
+        let ctx = KmsContext {
+            kube,
+            tenant: tenant.map(str::to_owned),
+            secrets: secrets
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            csi_namespace: Some(crate::k8s::client::own_namespace()),
+        };
+        Ok(Some(crate::volume::kms::keystore::KeyStore::new(
+            vault, ctx,
+        )))
+    }
+
+    /// Whether KMS `kms_id` keeps its keys itself (Vault), by `config`.
+    fn keeps_keys(config: &crate::volume::kms::KmsConfig, kms_id: &str) -> bool {
+        matches!(config.kind(kms_id), Ok(crate::volume::kms::KmsKind::Vault))
+    }
+
+    /// The keys of a new encrypted volume `vol` of class encryption `e`:
+    /// for a Vault KMS, its passphrase is stored under its handle first (a
+    /// new one, or for a clone or restore the parent's), and a retry finds
+    /// the one stored. `parent` is the image cloned from, `tenant` the
+    /// claim's namespace.
+    pub async fn new_encryption(
+        &self,
+        conn: &Conn,
+        e: &crate::volume::encryption::EncryptionParams,
+        vol: &VolumeId,
+        parent: Option<VolumeId>,
+        tenant: Option<&str>,
+        secrets: &HashMap<String, String>,
+    ) -> Result<crate::volume::encryption::NewEncryption, Status> {
+        use crate::volume::encryption;
+        let given = match self.key_store(&e.kms_id, tenant, secrets).await? {
+            None => None,
+            Some(store) => {
+                let record = match parent {
+                    None => None,
+                    Some(p) => {
+                        let ph = p.handle();
+                        Some(
+                            self.ceph(conn, move |c, _m| {
+                                Ok(encryption::read_key_record(c, &p, &ph)?)
+                            })
+                            .await
+                            .map_err(|e| volume_status(&e))?,
+                        )
+                    }
+                };
+                let got = store.ensure_for(&vol.handle(), record).await;
+                Some(got.map_err(|e| status_of(&e))?)
+            }
+        };
+        Ok(encryption::NewEncryption {
+            params: e.clone(),
+            keys: self.kms_keys(&e.kms_id, secrets, given)?,
+        })
+    }
+
+    /// After a snapshot image `image` (snapshot handle `handle`) is made: if
+    /// its source is encrypted with a Vault KMS, the source's passphrase is
+    /// stored under the snapshot's handle and the image records it, so the
+    /// snapshot outlives its source (as in ceph-csi).
+    pub async fn snapshot_key(
+        &self,
+        conn: &Conn,
+        image: &VolumeId,
+        handle: &str,
+        secrets: &HashMap<String, String>,
+    ) -> Result<(), Status> {
+        use crate::volume::encryption;
+        let (img, h) = (image.clone(), handle.to_owned());
+        let rec = self
+            .ceph(conn, move |c, _m| {
+                Ok(encryption::read_key_record(c, &img, &h)?)
+            })
+            .await
+            .map_err(|e| volume_status(&e))?;
+        let Some(mut rec) = rec.filter(|r| r.state.encrypted() && r.key_id != handle) else {
+            return Ok(());
+        };
+        if rec.tenant.is_none() {
+            // The source's tenant (the claim's namespace), as in ceph-csi.
+            let src = crate::volume::VolumeId::parse(&rec.key_id).ok();
+            if let Some(src) = src {
+                let h = rec.key_id.clone();
+                rec.tenant = self
+                    .ceph(conn, move |c, _m| {
+                        Ok(encryption::read_key_record(c, &src, &h)?)
+                    })
+                    .await
+                    .map_err(|e| volume_status(&e))?
+                    .and_then(|r| r.tenant);
+            }
+        }
+        let Some(store) = self
+            .key_store(&rec.kms_id, rec.tenant.as_deref(), secrets)
+            .await?
+        else {
+            return Ok(());
+        };
+        store
+            .ensure_copy(&rec.key_id, handle)
+            .await
+            .map_err(|e| status_of(&e))?;
+        let (img, h, t) = (image.clone(), handle.to_owned(), rec.tenant);
+        self.ceph(conn, move |c, _m| {
+            Ok(encryption::record_key_id(c, &img, &h, t.as_deref())?)
+        })
+        .await
+        .map_err(|e| volume_status(&e))
+    }
+
+    /// Runs `remove` (which removes the image `image` of volume or snapshot
+    /// `handle`) with the image's Vault key noted first, then removes that
+    /// key from Vault and clears the note. A retry after the image is gone
+    /// still finds the note (rbdkit gc reports one a crash left).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn remove_with_key<T: Send + 'static>(
+        &self,
+        busy: &InFlight,
+        conn: &Conn,
+        image: &VolumeId,
+        handle: &str,
+        snapshot: bool,
+        secrets: &HashMap<String, String>,
+        remove: impl FnOnce(&Cluster, &dyn CephObserver) -> Result<T, VolumeError> + Send + 'static,
+    ) -> Result<T, Status> {
+        use crate::volume::encryption;
+        let config = self.kms_config.clone();
+        let (img, h, provisioner) = (image.clone(), handle.to_owned(), self.name.clone());
+        let (done, noted) = self
+            .ceph_holding(busy, conn, move |c, m| {
+                encryption::note_key_before_remove(c, &img, &h, snapshot, &provisioner, &|k| {
+                    let config = crate::volume::kms::KmsConfig::load(&config)?;
+                    Ok(Driver::keeps_keys(&config, k))
+                })?;
+                let done = remove(c, m)?;
+                Ok((done, encryption::keys_to_remove(c, &img, Some(&h))?))
+            })
+            .await
+            .map_err(|e| volume_status(&e))?;
+        for (h, key) in noted {
+            if let Some(store) = self
+                .key_store(&key.kms, key.tenant.as_deref(), secrets)
+                .await?
+            {
+                store.delete(&key.key).await.map_err(|e| status_of(&e))?;
+            }
+            let img = image.clone();
+            self.ceph(conn, move |c, _m| {
+                Ok(encryption::forget_key_to_remove(c, &img, &h)?)
+            })
+            .await
+            .map_err(|e| volume_status(&e))?;
+        }
+        Ok(done)
     }
 
     /// Marks `key` (a volume id or name) busy, or fails with ABORTED if an

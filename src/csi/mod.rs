@@ -70,6 +70,12 @@ pub struct CsiArgs {
     #[arg(long, value_name = "FILE")]
     pub clusters_config: PathBuf,
 
+    /// ceph-csi's KMS config (the `ceph-csi-encryption-kms-config`
+    /// ConfigMap's config.json), read at each use by encrypted volumes; a
+    /// missing file leaves only the `default` KMS.
+    #[arg(long, value_name = "FILE", default_value = crate::volume::kms::DEFAULT_CONFIG_PATH)]
+    pub kms_config: PathBuf,
+
     /// The driver name.
     #[arg(long, default_value = "rbd.rbdkit.io")]
     pub driver_name: String,
@@ -328,7 +334,9 @@ pub async fn run_until(
         Arc::clone(&conns),
         pool,
         Arc::new(NoMetrics),
-    );
+    )
+    .with_kms_config(args.kms_config.clone())
+    .with_kubeconfig(args.kubeconfig.clone());
     if with_controller {
         driver = driver.with_pool_index(args.state_dir.join("controller-pools.json"));
     }

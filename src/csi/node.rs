@@ -135,9 +135,22 @@ pub struct Stash {
     /// librbd's), read at stage: a publish has no credentials to read them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub io_max: Option<crate::node::cgroup_io::IoMax>,
+    /// The dm-crypt mapping of an encrypted volume on a mapper that does
+    /// not decrypt (krbd): filesystems and binds use its device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crypt: Option<String>,
 }
 
 impl Stash {
+    /// The device the filesystem (or the Block bind) is on: the dm-crypt
+    /// mapping's, else the mapper's.
+    pub fn data_device(&self) -> Option<PathBuf> {
+        match &self.crypt {
+            Some(name) => Some(crate::node::dmcrypt::device_of(name)),
+            None => self.device.clone(),
+        }
+    }
+
     fn path(staging: &Path) -> PathBuf {
         staging.join(STASH)
     }
@@ -369,6 +382,305 @@ impl NodeService {
                 ))
             })?;
         tracing::info!(volume = %id, file = %file.display(), limits = ?max, "krbd QoS limits set");
+        Ok(())
+    }
+
+    /// For an encrypted volume (by its image's metadata, or its volume
+    /// context): its passphrase from the KMS, after the image's LUKS2 header
+    /// took it. A ceph-csi volume still `encryptionPrepared` gets its
+    /// header here, only if its header region is all zeroes. `None` for a
+    /// plain volume. A volume whose context says encrypted but whose image
+    /// does not is refused: its data would be served as if it were
+    /// plaintext.
+    async fn stage_encryption(
+        &self,
+        vol: &VolumeId,
+        id: &str,
+        params: &NodeParams,
+        secrets: &HashMap<String, String>,
+        read_only: bool,
+    ) -> Result<Option<crate::rados::Secret>, Status> {
+        use crate::volume::encryption::{self, State};
+        use crate::volume::kms::{META_KMS_ID, META_STATE};
+        let conn = self.driver.connect(&vol.cluster_id, secrets).await?;
+        let v = vol.clone();
+        let meta = self
+            .driver
+            .ceph(&conn, move |c, _m| {
+                let io = c.ioctx_ns(&v.pool, &v.rados_namespace)?;
+                Ok(crate::rbd::Image::open_read_only(&io, &v.image)?.metadata_list()?)
+            })
+            .await
+            .map_err(ceph_call_status)?;
+        let state = encryption::state_of(&meta, &vol.image).map_err(|e| status_of(&e))?;
+        match (state, &params.encryption_kms) {
+            (State::Plain, None) => return Ok(None),
+            (State::Plain, Some(_)) => {
+                return Err(Status::failed_precondition(format!(
+                    "volume {id}: its volume context says it is encrypted, but image {vol} has \
+                     no {META_STATE} metadata; refusing to stage it (nothing was formatted)"
+                )))
+            }
+            (State::Prepared, _) if read_only => {
+                return Err(Status::failed_precondition(format!(
+                    "volume {id} is encrypted but has no LUKS2 header yet ({META_STATE} is \
+                     encryptionPrepared), and it is staged read-only: it cannot be formatted"
+                )))
+            }
+            _ => {}
+        }
+        let kms_id = meta
+            .get(META_KMS_ID)
+            .cloned()
+            .or_else(|| params.encryption_kms.clone())
+            .unwrap_or_else(|| crate::volume::kms::DEFAULT_KMS_ID.to_owned());
+        let key_id = encryption::key_id_of(&meta, id);
+        // A Vault KMS: the key stored under the volume id, for the tenant
+        // the image records (the claim's namespace).
+        let tenant = encryption::key_record(&meta, &vol.image, id)
+            .map_err(|e| status_of(&e))?
+            .tenant;
+        let given = match self
+            .driver
+            .key_store(&kms_id, tenant.as_deref(), secrets)
+            .await?
+        {
+            None => None,
+            Some(store) => Some(store.get(&key_id).await.map_err(|e| {
+                if e.kind() == crate::ErrorKind::NotFound {
+                    Status::failed_precondition(format!(
+                        "volume {id} is encrypted, and its passphrase is not in KMS {kms_id:?}: {e}"
+                    ))
+                } else {
+                    status_of(&e)
+                }
+            })?),
+        };
+        let keys = self.driver.kms_keys(&kms_id, secrets, given)?;
+        let image = vol.image.clone();
+        let passphrase = tokio::task::spawn_blocking(move || {
+            encryption::passphrase_of(&meta, &image, &key_id, &keys)
+        })
+        .await
+        .map_err(|e| Status::internal(format!("node task failed: {e}")))?
+        .map_err(|e| status_of(&e))?;
+        let (v, p) = (vol.clone(), passphrase.clone());
+        self.driver
+            .ceph(&conn, move |c, _m| {
+                let io = c.ioctx_ns(&v.pool, &v.rados_namespace)?;
+                let image = if state == State::Prepared {
+                    crate::rbd::Image::open(&io, &v.image)?
+                } else {
+                    crate::rbd::Image::open_read_only(&io, &v.image)?
+                };
+                encryption::open_for_stage(
+                    &image,
+                    state,
+                    &p,
+                    &crate::volume::luks::FormatOptions::default(),
+                )?;
+                Ok(())
+            })
+            .await
+            .map_err(ceph_call_status)?;
+        Ok(Some(passphrase))
+    }
+
+    /// The mappers a stage tries, in order (the class's `mounter`, or the
+    /// node's default; with `tryOtherMounters` the others after it), with
+    /// each one's map and unmap options, checked before anything is done.
+    #[allow(clippy::type_complexity)]
+    fn candidates(
+        &self,
+        params: &NodeParams,
+        ctx: &std::collections::BTreeMap<String, String>,
+        cluster_id: &str,
+    ) -> Result<
+        (
+            String,
+            Vec<Arc<dyn Mapper>>,
+            HashMap<&'static str, (Vec<String>, Vec<String>)>,
+        ),
+        Status,
+    > {
+        let name = params
+            .mounter
+            .clone()
+            .unwrap_or_else(|| self.default_mapper.clone());
+        let mut candidates = vec![self.mapper(&name)?];
+        if params.try_other_mounters {
+            candidates.extend(self.mappers.iter().filter(|m| m.name() != name).cloned());
+        }
+        let read_affinity = self.read_affinity_options(cluster_id);
+        let mut opts = HashMap::new();
+        for m in &candidates {
+            let mut map = mapper_options(ctx, MAP_OPTIONS, m.name())?;
+            crate::node::read_affinity::add_to(&mut map, &read_affinity);
+            let unmap = mapper_options(ctx, UNMAP_OPTIONS, m.name())?;
+            opts.insert(m.name(), (map, unmap));
+        }
+        Ok((name, candidates, opts))
+    }
+
+    /// Whether the volume is staged already as asked (`want`: filesystem,
+    /// read-only, access mode, mount flags) and mounted: a repeat after
+    /// success, or kubelet retrying. Staged with another capability is
+    /// ALREADY_EXISTS. After a restart of this server it learns the
+    /// credentials here: unstaging needs them to release the lock.
+    async fn already_staged(
+        &self,
+        at: &StageAt<'_>,
+        secrets: &HashMap<String, String>,
+        stash: &Stash,
+        want: (Option<&str>, bool, i32, &[String]),
+    ) -> Result<bool, Status> {
+        if stash.device.is_none() {
+            return Ok(false);
+        }
+        let (fs_type, read_only, mode, flags) = want;
+        if !stash.compatible(fs_type, read_only, mode, flags) {
+            return Err(Status::already_exists(format!(
+                "volume {} is staged at {} with another capability (was: {}{}, {}); unstage \
+                 it first",
+                at.id,
+                at.staging.display(),
+                stash.fs_type.as_deref().unwrap_or("block"),
+                stash
+                    .access_mode
+                    .map(|m| format!(", access mode {m}"))
+                    .unwrap_or_default(),
+                if stash.read_only {
+                    "read-only"
+                } else {
+                    "read-write"
+                },
+            )));
+        }
+        let t = at.staging.join(VOLUME);
+        if !blocking(move || mount::is_mount_point(&t)).await? {
+            return Ok(false);
+        }
+        let cluster = &at.vol.cluster_id;
+        if !self.driver.clusters_known().contains(cluster)
+            && self.driver.connect(cluster, secrets).await.is_ok()
+        {
+            self.release_pending(cluster, secrets, at.id).await;
+        }
+        Ok(true)
+    }
+
+    /// Maps the volume with the first of `candidates` that can, each try
+    /// recorded in the stash first. `Ok(Err(_))`: none could, nothing is
+    /// mapped (the last one's error, for the caller to abandon the stage
+    /// with); `Err(_)`: a failed map could not be undone either (the stage
+    /// keeps its lock and record).
+    async fn map_first(
+        &self,
+        at: &StageAt<'_>,
+        candidates: Vec<Arc<dyn Mapper>>,
+        mapper_opts: &HashMap<&'static str, (Vec<String>, Vec<String>)>,
+        template: &MapSpec,
+        stash: &mut Stash,
+    ) -> Result<Result<(Arc<dyn Mapper>, PathBuf), Status>, Status> {
+        let (id, vol) = (at.id, at.vol);
+        let mut last_err = None;
+        for m in candidates {
+            let (options, unmap_options) = mapper_opts.get(m.name()).cloned().unwrap_or_default();
+            stash.mapper = m.name().to_owned();
+            stash.unmap_options = unmap_options;
+            stash.write(at.staging)?;
+            let mut spec = template.clone();
+            spec.options = options;
+            // Only a mapper that decrypts gets the passphrase; the others
+            // map the ciphertext for dm-crypt.
+            spec.encryption = spec.encryption.filter(|_| m.decrypts());
+            let m2 = Arc::clone(&m);
+            let e = match blocking(move || m2.map(&spec)).await {
+                Ok(dev) => return Ok(Ok((m, dev))),
+                Err(e) => e,
+            };
+            tracing::warn!(volume = %vol, mapper = m.name(), error = %e.message(), "map failed");
+            // A map this side gave up on (a client timeout) may still
+            // complete in the mapper: undone here, so nothing stays mapped
+            // that no stash knows. A refusal did nothing (and AlreadyExists
+            // names a mapping that is not this stage's to undo).
+            let refused = matches!(
+                e.code(),
+                Code::AlreadyExists
+                    | Code::InvalidArgument
+                    | Code::FailedPrecondition
+                    | Code::NotFound
+                    | Code::PermissionDenied
+            );
+            if !refused {
+                let (m3, id3, uo) = (Arc::clone(&m), id.to_owned(), stash.unmap_options.clone());
+                if let Err(u) = blocking(move || m3.unmap(&id3, &uo)).await {
+                    return Err(Status::unavailable(format!(
+                        "map of image {vol} with {} failed ({}), and undoing it failed too \
+                         ({}); the stage keeps its lock and record: NodeStage again, or \
+                         NodeUnstage, cleans it up",
+                        m.name(),
+                        e.message(),
+                        u.message()
+                    )));
+                }
+            }
+            last_err = Some(e);
+        }
+        Ok(Err(last_err.unwrap_or_else(|| {
+            Status::internal("no mapper could map the image")
+        })))
+    }
+
+    /// The staging lock checked again once the image is mapped: another
+    /// node may have taken it in between (broken it as a dead node's). Lost,
+    /// a mapping this stage made (`unmap`: its mapper and unmap options) is
+    /// undone, and the stage aborted with nothing written. Held, this
+    /// node's new data-path clients (watchers since `before`) are recorded,
+    /// to be fenced before a node that finds this one dead breaks its lock.
+    async fn confirm_lock(
+        &self,
+        at: &StageAt<'_>,
+        secrets: &HashMap<String, String>,
+        lm: LockMode,
+        unmap: Option<(Arc<dyn Mapper>, Vec<String>)>,
+        before: &[String],
+    ) -> Result<(), Status> {
+        let (id, vol) = (at.id, at.vol);
+        let n = self.driver.node_id.clone();
+        let check = self
+            .with_lock(vol, secrets, move |l| Ok((l.holds(lm, &n)?, l.watchers()?)))
+            .await;
+        let after = match check {
+            Ok((true, after)) => after,
+            Ok((false, _)) | Err(_) => {
+                let why = match check {
+                    Err(e) => format!("cannot check it: {}", e.message()),
+                    _ => "another node took it".to_owned(),
+                };
+                if let Some((m, opts)) = unmap {
+                    let id2 = id.to_owned();
+                    blocking(move || m.unmap(&id2, &opts)).await?;
+                    Stash::remove(at.staging)?;
+                    self.forget(id);
+                }
+                return Err(Status::aborted(format!(
+                    "the staging lock of image {vol} was lost while mapping it ({why}); \
+                     nothing was written"
+                )));
+            }
+        };
+        if unmap.is_some() {
+            let mine: Vec<String> = after.into_iter().filter(|w| !before.contains(w)).collect();
+            self.record_own_watchers(id, &mine);
+            let (n, all) = (self.driver.node_id.clone(), self.own_watchers(id));
+            if let Err(e) = self
+                .with_lock(vol, secrets, move |l| l.record_clients(&n, &all))
+                .await
+            {
+                tracing::warn!(volume = %vol, error = %e.message(), "cannot record the data-path clients");
+            }
+        }
         Ok(())
     }
 
@@ -708,6 +1020,46 @@ fn io_max_of(limits: &crate::volume::qos::Limits) -> IoMax {
     )
 }
 
+/// Which stage a step works for: the volume, its image and staging path.
+struct StageAt<'a> {
+    id: &'a str,
+    vol: &'a VolumeId,
+    staging: &'a Path,
+}
+
+/// The staged volume put at `target`: `device` bound there (Block, `fs`
+/// `None`), or its filesystem (`fs`: type, mkfs options, mount flags) made
+/// if the device is blank and mounted there. A blank volume staged
+/// read-only is refused: it cannot be formatted.
+async fn put_in_place(
+    device: &Path,
+    target: &Path,
+    read_only: bool,
+    fs: Option<(String, Vec<String>, Vec<String>)>,
+) -> Result<(), Status> {
+    let (d, t) = (device.to_path_buf(), target.to_path_buf());
+    let Some((fs_type, mkfs, flags)) = fs else {
+        ensure_file(target).map_err(|e| io_status("create", target, e))?;
+        return blocking(move || mount::ensure_bind(&d, &t, read_only)).await;
+    };
+    std::fs::create_dir_all(target).map_err(|e| io_status("create", target, e))?;
+    blocking(move || {
+        if read_only && !mount::is_mount_point(&t)? && fs::probe(&d)? == fs::Probe::Blank {
+            return Err(Error::invalid(
+                "NodeStageVolume",
+                d.display().to_string(),
+                "the volume is blank and staged read-only: it cannot be formatted",
+            ));
+        }
+        let mut opts = flags;
+        if read_only {
+            opts.push("ro".to_owned());
+        }
+        fs::format_and_mount(&d, &t, &fs_type, &mkfs, &opts)
+    })
+    .await
+}
+
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> crate::Result<T> + Send + 'static,
 ) -> Result<T, Status> {
@@ -858,28 +1210,8 @@ impl Node for NodeService {
                 Status::invalid_argument(format!("NodeStageVolume of volume {id}: {e}"))
             })?;
         }
-        let mapper_name = node_params
-            .mounter
-            .clone()
-            .unwrap_or_else(|| self.default_mapper.clone());
-        let mut candidates = vec![self.mapper(&mapper_name)?];
-        if node_params.try_other_mounters {
-            candidates.extend(
-                self.mappers
-                    .iter()
-                    .filter(|m| m.name() != mapper_name)
-                    .cloned(),
-            );
-        }
-        // Each mapper's mapOptions/unmapOptions, checked up front too.
-        let read_affinity = self.read_affinity_options(&vol.cluster_id);
-        let mut mapper_opts = HashMap::new();
-        for m in &candidates {
-            let mut map = mapper_options(&ctx, MAP_OPTIONS, m.name())?;
-            crate::node::read_affinity::add_to(&mut map, &read_affinity);
-            let unmap = mapper_options(&ctx, UNMAP_OPTIONS, m.name())?;
-            mapper_opts.insert(m.name(), (map, unmap));
-        }
+        let (mapper_name, candidates, mapper_opts) =
+            self.candidates(&node_params, &ctx, &vol.cluster_id)?;
         let lock_mode = match (read_only, lock_mode_of(&cap)) {
             (true, _) => None,
             (false, m) => Some(m),
@@ -889,39 +1221,14 @@ impl Node for NodeService {
         // another capability, that is ALREADY_EXISTS.
         let old_stash = Stash::read(&staging)?;
         if let Some(stash) = &old_stash {
-            if stash.device.is_some() {
-                if !stash.compatible(fs_type.as_deref(), read_only, mode, &flags) {
-                    return Err(Status::already_exists(format!(
-                        "volume {id} is staged at {} with another capability (was: {}{}, {}); \
-                         unstage it first",
-                        staging.display(),
-                        stash.fs_type.as_deref().unwrap_or("block"),
-                        stash
-                            .access_mode
-                            .map(|m| format!(", access mode {m}"))
-                            .unwrap_or_default(),
-                        if stash.read_only {
-                            "read-only"
-                        } else {
-                            "read-write"
-                        },
-                    )));
-                }
-                let t = target.clone();
-                if blocking(move || mount::is_mount_point(&t)).await? {
-                    // After a restart of this server, learn the credentials
-                    // here: unstaging needs them to release the lock.
-                    if !self.driver.clusters_known().contains(&vol.cluster_id)
-                        && self
-                            .driver
-                            .connect(&vol.cluster_id, &secrets.0)
-                            .await
-                            .is_ok()
-                    {
-                        self.release_pending(&vol.cluster_id, &secrets.0, &id).await;
-                    }
-                    return Ok(Response::new(NodeStageVolumeResponse {}));
-                }
+            let at = StageAt {
+                id: &id,
+                vol: &vol,
+                staging: &staging,
+            };
+            let want = (fs_type.as_deref(), read_only, mode, flags.as_slice());
+            if self.already_staged(&at, &secrets.0, stash, want).await? {
+                return Ok(Response::new(NodeStageVolumeResponse {}));
             }
         }
         if !staging.is_dir() {
@@ -967,6 +1274,7 @@ impl Node for NodeService {
             cluster_fsid: Some(fsid.clone()),
             user: Some(creds.user.clone()),
             io_max: (!io_max.is_empty()).then_some(io_max),
+            crypt: None,
         };
         if let Some(old) = &old_stash {
             stash.mapper = old.mapper.clone();
@@ -974,6 +1282,7 @@ impl Node for NodeService {
             stash.device = old.device.clone();
             stash.lock = old.lock.or(lock_mode);
             stash.user = old.user.clone().or(stash.user);
+            stash.crypt = old.crypt.clone();
         }
         stash.write(&staging)?;
         let mapped_here = already_mapped.is_some();
@@ -1030,84 +1339,46 @@ impl Node for NodeService {
             }
         }
 
+        // An encrypted volume: its passphrase, its header checked (or,
+        // for a ceph-csi volume not staged before, written, now that this
+        // node holds the staging lock) before anything is mapped.
+        let crypt = match self
+            .stage_encryption(&vol, &id, &node_params, &secrets.0, read_only)
+            .await
+        {
+            Ok(c) => c,
+            Err(e) => return Err(abandon(e).await),
+        };
+
         let (mapper, device) = match already_mapped {
             Some(found) => found,
             None => {
-                let mut last_err = None;
-                let mut mapped = None;
-                for m in candidates {
-                    let (options, unmap_options) =
-                        mapper_opts.get(m.name()).cloned().unwrap_or_default();
-                    stash.mapper = m.name().to_owned();
-                    stash.unmap_options = unmap_options;
-                    stash.write(&staging)?;
-                    let spec = MapSpec {
-                        volume_id: id.clone(),
-                        monitors: info.monitors.clone(),
-                        user: creds.user.clone(),
-                        key: creds.key.clone(),
-                        pool: vol.pool.clone(),
-                        namespace: vol.rados_namespace.clone(),
-                        image: vol.image.clone(),
-                        cluster_fsid: Some(fsid.clone()),
-                        features: Some(features),
-                        snapshot: None,
-                        read_only,
-                        options,
-                    };
-                    let m2 = Arc::clone(&m);
-                    match blocking(move || m2.map(&spec)).await {
-                        Ok(dev) => {
-                            mapped = Some((m, dev));
-                            break;
-                        }
-                        Err(e) => {
-                            tracing::warn!(volume = %vol, mapper = m.name(), error = %e.message(), "map failed");
-                            // A map this side gave up on (a client timeout)
-                            // may still complete in the mapper: undone here,
-                            // so nothing stays mapped that no stash knows.
-                            // A refusal did nothing (and AlreadyExists names
-                            // a mapping that is not this stage's to undo).
-                            let refused = matches!(
-                                e.code(),
-                                Code::AlreadyExists
-                                    | Code::InvalidArgument
-                                    | Code::FailedPrecondition
-                                    | Code::NotFound
-                                    | Code::PermissionDenied
-                            );
-                            let (m3, id3) = (Arc::clone(&m), id.clone());
-                            let uo = stash.unmap_options.clone();
-                            let undo = async move {
-                                if refused {
-                                    return Ok(());
-                                }
-                                blocking(move || m3.unmap(&id3, &uo)).await
-                            };
-                            if let Err(u) = undo.await {
-                                return Err(Status::unavailable(format!(
-                                    "map of image {vol} with {} failed ({}), and undoing it \
-                                     failed too ({}); the stage keeps its lock and record: \
-                                     NodeStage again, or NodeUnstage, cleans it up",
-                                    m.name(),
-                                    e.message(),
-                                    u.message()
-                                )));
-                            }
-                            last_err = Some(e);
-                        }
-                    }
-                }
-                match mapped {
-                    Some(x) => x,
-                    None => {
-                        return Err(abandon(
-                            last_err.unwrap_or_else(|| {
-                                Status::internal("no mapper could map the image")
-                            }),
-                        )
-                        .await)
-                    }
+                let template = MapSpec {
+                    volume_id: id.clone(),
+                    monitors: info.monitors.clone(),
+                    user: creds.user.clone(),
+                    key: creds.key.clone(),
+                    pool: vol.pool.clone(),
+                    namespace: vol.rados_namespace.clone(),
+                    image: vol.image.clone(),
+                    cluster_fsid: Some(fsid.clone()),
+                    features: Some(features),
+                    snapshot: None,
+                    read_only,
+                    options: Vec::new(),
+                    encryption: crypt.clone(),
+                };
+                let at = StageAt {
+                    id: &id,
+                    vol: &vol,
+                    staging: &staging,
+                };
+                match self
+                    .map_first(&at, candidates, &mapper_opts, &template, &mut stash)
+                    .await?
+                {
+                    Ok(x) => x,
+                    Err(e) => return Err(abandon(e).await),
                 }
             }
         };
@@ -1120,71 +1391,30 @@ impl Node for NodeService {
         // it in between (broke it as a dead node's), this node must not
         // write. Only then mkfs and mount.
         if let Some(lm) = lock_mode {
-            let n = self.driver.node_id.clone();
-            let check = self
-                .with_lock(&vol, &secrets.0, move |l| {
-                    Ok((l.holds(lm, &n)?, l.watchers()?))
-                })
-                .await;
-            let after = match check {
-                Ok((true, after)) => after,
-                Ok((false, _)) | Err(_) => {
-                    let why = match check {
-                        Err(e) => format!("cannot check it: {}", e.message()),
-                        _ => "another node took it".to_owned(),
-                    };
-                    if !mapped_here {
-                        let (m, id2, opts) =
-                            (Arc::clone(&mapper), id.clone(), stash.unmap_options.clone());
-                        blocking(move || m.unmap(&id2, &opts)).await?;
-                        Stash::remove(&staging)?;
-                        self.forget(&id);
-                    }
-                    return Err(Status::aborted(format!(
-                        "the staging lock of image {vol} was lost while mapping it ({why}); \
-                         nothing was written"
-                    )));
-                }
+            let at = StageAt {
+                id: &id,
+                vol: &vol,
+                staging: &staging,
             };
-            if !mapped_here {
-                // This node's data-path clients: fenced before a node that
-                // finds this one dead may break its lock.
-                let mine: Vec<String> = after.into_iter().filter(|w| !before.contains(w)).collect();
-                self.record_own_watchers(&id, &mine);
-                let (n, all) = (self.driver.node_id.clone(), self.own_watchers(&id));
-                if let Err(e) = self
-                    .with_lock(&vol, &secrets.0, move |l| l.record_clients(&n, &all))
-                    .await
-                {
-                    tracing::warn!(volume = %vol, error = %e.message(), "cannot record the data-path clients");
-                }
-            }
+            let unmap = (!mapped_here).then(|| (Arc::clone(&mapper), stash.unmap_options.clone()));
+            self.confirm_lock(&at, &secrets.0, lm, unmap, &before)
+                .await?;
         }
 
-        if block {
-            ensure_file(&target).map_err(|e| io_status("create", &target, e))?;
-            let (d, t) = (device.clone(), target.clone());
-            blocking(move || mount::ensure_bind(&d, &t, read_only)).await?;
-        } else {
-            let fs_type = fs_type.unwrap_or_else(|| self.default_fs.clone());
-            std::fs::create_dir_all(&target).map_err(|e| io_status("create", &target, e))?;
-            let (d, t) = (device.clone(), target.clone());
-            blocking(move || {
-                if read_only && !mount::is_mount_point(&t)? && fs::probe(&d)? == fs::Probe::Blank {
-                    return Err(Error::invalid(
-                        "NodeStageVolume",
-                        d.display().to_string(),
-                        "the volume is blank and staged read-only: it cannot be formatted",
-                    ));
-                }
-                let mut opts = flags;
-                if read_only {
-                    opts.push("ro".to_owned());
-                }
-                fs::format_and_mount(&d, &t, &fs_type, &mkfs, &opts)
-            })
-            .await?;
-        }
+        // A mapper that does not decrypt (krbd): dm-crypt over its device,
+        // recorded first so that unstaging closes it.
+        let device = match (&crypt, mapper.decrypts()) {
+            (Some(pass), false) => {
+                let name = crate::node::dmcrypt::mapping_name(&id);
+                stash.crypt = Some(name.clone());
+                stash.write(&staging)?;
+                let (d, p) = (device.clone(), pass.clone());
+                blocking(move || crate::node::dmcrypt::open(&d, &name, &p)).await?
+            }
+            _ => device,
+        };
+        let fs_type = fs_type.map(|t| (t, mkfs, flags));
+        put_in_place(&device, &target, read_only, fs_type).await?;
         tracing::info!(volume = %vol, device = %device.display(), staging = %staging.display(), lock = ?lock_mode, "NodeStageVolume done");
         Ok(Response::new(NodeStageVolumeResponse {}))
     }
@@ -1225,6 +1455,15 @@ impl Node for NodeService {
         // A mapper that keeps the stage's Ceph client (rbdkit-fuse)
         // releases the lock itself once unmapped: it has the credentials
         // the volume was staged with, which a restarted plugin lacks.
+        // dm-crypt over a krbd device goes first: it holds the device.
+        let crypt = match &stash {
+            Some(s) => s.crypt.clone(),
+            None => Some(crate::node::dmcrypt::mapping_name(&id))
+                .filter(|n| crate::node::dmcrypt::device_of(n).exists()),
+        };
+        if let Some(name) = crypt {
+            blocking(move || crate::node::dmcrypt::close(&name)).await?;
+        }
         let locked = stash.as_ref().is_some_and(|s| s.lock.is_some());
         let mut released = false;
         for (m, opts) in targets {
@@ -1422,6 +1661,11 @@ impl Node for NodeService {
         // A Block volume too: krbd's device has grown by itself, the loop
         // device of rbdkit-fuse grows here (LOOP_SET_CAPACITY).
         let size = blocking(move || mapper.refresh_size(&id2)).await?;
+        // dm-crypt over krbd grows to its device's new size.
+        if let Some(name) = stash.crypt.clone() {
+            blocking(move || crate::node::dmcrypt::resize(&name)).await?;
+        }
+        let device = stash.data_device().unwrap_or(device);
         if let Some(fs_type) = stash.fs_type.clone() {
             let mnt = staging.join(VOLUME);
             blocking(move || fs::grow(&device, &mnt, &fs_type)).await?;

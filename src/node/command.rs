@@ -45,12 +45,30 @@ pub(crate) fn run(
     object: &str,
     timeout: Duration,
 ) -> Result<Output> {
+    run_with_input(op, program, args, object, timeout, None)
+}
+
+/// [`run`] with `input` written to the child's stdin (then closed): how a
+/// secret (a LUKS passphrase) reaches a tool, never through argv or the
+/// environment.
+pub(crate) fn run_with_input(
+    op: &'static str,
+    program: &str,
+    args: &[&str],
+    object: &str,
+    timeout: Duration,
+    input: Option<&[u8]>,
+) -> Result<Output> {
     let mut child = Command::new(program)
         .args(args)
         .env_clear()
         .env("PATH", PATH)
         .env("LC_ALL", "C")
-        .stdin(Stdio::null())
+        .stdin(if input.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0)
@@ -59,6 +77,14 @@ pub(crate) fn run(
             Error::from_errno(e.raw_os_error().unwrap_or(libc::EIO), op, object)
                 .detail(format!("cannot start {program}: {e}"))
         })?;
+    if let (Some(data), Some(mut stdin)) = (input, child.stdin.take()) {
+        use std::io::Write;
+        // Small (a passphrase): fits the pipe buffer, so this never blocks
+        // on a child that does not read; a child that exits early is EPIPE,
+        // which its exit status reports.
+        let _ = stdin.write_all(data);
+        drop(stdin);
+    }
     // Drain both pipes on their own threads so a chatty child never blocks.
     let out = drain(child.stdout.take());
     let err = drain(child.stderr.take());

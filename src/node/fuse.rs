@@ -108,6 +108,18 @@
 //! option. A repeated `attach` with other options than the live mapping's
 //! is refused (`EEXIST`), like one for another image.
 //!
+//! # Encrypted volumes
+//! An `attach` with a passphrase (`encryption`) unlocks the image's LUKS2
+//! header ([`crate::volume::luks`]) and serves its data segment: the file
+//! is the image's size less the header, reads are decrypted and writes
+//! encrypted (AES-XTS) in the daemon, and the loop device's block size is
+//! the header's sector size (so every request is whole sectors). The
+//! volume key (never the passphrase) is kept in the supervisor with the
+//! cephx key, so a restarted worker serves the mapping again without a
+//! PBKDF run. Discards and write-zeroes are refused (`EOPNOTSUPP`), as
+//! dm-crypt refuses discards without `allow_discards`: zeroed ciphertext
+//! would not read back as zeroes.
+//!
 //! `unmapOptions`: `force` clears the loop device even while it is mounted
 //! or open (the kernel unbinds it on its last close, and until then every
 //! I/O fails) and closes the image; without it, `detach` of a busy device
@@ -145,6 +157,24 @@ pub(crate) mod secret_serde {
     }
 }
 
+/// An optional [`Secret`] as a JSON string or null.
+pub(crate) mod secret_opt_serde {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    use crate::rados::Secret;
+
+    pub fn serialize<S: Serializer>(s: &Option<Secret>, ser: S) -> Result<S::Ok, S::Error> {
+        match s {
+            Some(s) => ser.serialize_some(s.expose()),
+            None => ser.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(de: D) -> Result<Option<Secret>, D::Error> {
+        Option::<String>::deserialize(de).map(|o| o.map(Secret::new))
+    }
+}
+
 /// What `attach` carries: a [`MapSpec`] on the wire. `Debug` redacts the key.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AttachSpec {
@@ -173,6 +203,14 @@ pub struct AttachSpec {
     /// The `mapOptions` of this mapper ([`FuseMapOptions`]).
     #[serde(default)]
     pub options: Vec<String>,
+    /// The LUKS2 passphrase of an encrypted volume: the daemon unlocks its
+    /// header and serves the decrypted data segment.
+    #[serde(
+        default,
+        with = "secret_opt_serde",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub encryption: Option<Secret>,
 }
 
 /// librbd settings a `mapOptions` entry may override, and what values each
@@ -395,6 +433,7 @@ impl From<&MapSpec> for AttachSpec {
             snapshot: s.snapshot.clone(),
             read_only: s.read_only,
             options: s.options.clone(),
+            encryption: s.encryption.clone(),
         }
     }
 }
@@ -404,7 +443,7 @@ impl From<&MapSpec> for AttachSpec {
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum ControlRequest {
     /// Map a volume; returns its device.
-    Attach(AttachSpec),
+    Attach(Box<AttachSpec>),
     /// Unmap a volume (succeeds if it is not mapped).
     Detach {
         /// The volume.
@@ -631,7 +670,10 @@ impl Mapper for FuseMapper {
     fn map(&self, spec: &MapSpec) -> Result<PathBuf> {
         // Checked here too, so a bad StorageClass fails before the daemon.
         FuseMapOptions::parse(&spec.options, &spec.volume_id)?;
-        let r = self.call_ok(&ControlRequest::Attach(spec.into()), self.attach_timeout)?;
+        let r = self.call_ok(
+            &ControlRequest::Attach(Box::new(spec.into())),
+            self.attach_timeout,
+        )?;
         r.device.map(PathBuf::from).ok_or_else(|| {
             Error::invalid(
                 "rbdkit-fuse",
@@ -639,6 +681,10 @@ impl Mapper for FuseMapper {
                 "attach answered no device",
             )
         })
+    }
+
+    fn decrypts(&self) -> bool {
+        true
     }
 
     /// The device of a live mapping, healthy or not: a mapping whose image

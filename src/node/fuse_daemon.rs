@@ -195,6 +195,71 @@ use crate::node::fuse_supervisor::{SecretBuf, StoreClient};
 use crate::node::loopdev;
 use crate::rados::{Cluster, ConnectOptions};
 use crate::rbd::Image;
+use crate::volume::luks::{DataCipher, Header, VolumeKey};
+
+/// The supervisor store's name for the volume key of `volume_id` (its
+/// cephx key is kept under the volume id itself).
+fn luks_key_name(volume_id: &str) -> String {
+    format!("luks:{volume_id}")
+}
+
+/// Unlocks the LUKS2 header of `image` with `passphrase`: the data cipher
+/// and the volume key.
+fn unlock(image: &Image, passphrase: &[u8], vol: &str) -> Result<(Arc<DataCipher>, VolumeKey)> {
+    let h = Header::read(image)?;
+    let (key, _) = h.unlock(image, passphrase)?;
+    let c = h
+        .data_cipher(&key)
+        .map_err(|why| Error::invalid("attach", vol.to_owned(), why))?;
+    Ok((Arc::new(c), key))
+}
+
+/// The data cipher of `image` from a kept volume key (a worker taking over).
+fn with_key(image: &Image, key: &crate::rados::Secret, vol: &str) -> Result<Arc<DataCipher>> {
+    let h = Header::read(image)?;
+    let key = VolumeKey::from_secret(key)
+        .filter(|k| h.check_key(k))
+        .ok_or_else(|| {
+            Error::invalid(
+                "attach",
+                vol.to_owned(),
+                "the kept volume key does not match the image's LUKS2 header",
+            )
+        })?;
+    h.data_cipher(&key)
+        .map(Arc::new)
+        .map_err(|why| Error::invalid("attach", vol.to_owned(), why))
+}
+
+/// The size a mapping serves: the image's, less an encrypted volume's
+/// LUKS2 header, in whole sectors.
+fn served_size(image: &Image, crypt: Option<&DataCipher>) -> Result<u64> {
+    let raw = image.size()?;
+    Ok(match crypt {
+        Some(c) => {
+            let s = c.sector_size() as u64;
+            raw.saturating_sub(c.offset) / s * s
+        }
+        None => raw,
+    })
+}
+
+/// The loop device's block size: the option's, at least the sector size.
+fn block_size(opts: &FuseMapOptions, crypt: Option<&DataCipher>, vol: &str) -> Result<u32> {
+    let sector = crypt.map_or(512, |c| c.sector_size() as u32);
+    match opts.block_size {
+        Some(b) if b < sector => Err(Error::invalid(
+            "mapOptions",
+            vol.to_owned(),
+            format!(
+                "rbdkit-fuse option block_size={b} is below the LUKS2 sector size {sector} of \
+                 this encrypted volume"
+            ),
+        )),
+        Some(b) => Ok(b),
+        None => Ok(sector),
+    }
+}
 
 /// Arguments of `rbdkit fuse-mapper`.
 #[derive(Debug, Clone, clap::Args)]
@@ -303,6 +368,10 @@ struct Record {
     /// The mapOptions it was attached with.
     #[serde(default)]
     options: FuseMapOptions,
+    /// Served decrypted (a LUKS2 volume); its volume key is kept in the
+    /// supervisor, never here.
+    #[serde(default)]
+    encrypted: bool,
 }
 
 impl Record {
@@ -328,6 +397,7 @@ impl Record {
             && self.snapshot == spec.snapshot
             && self.read_only == (spec.read_only || spec.snapshot.is_some() || opts.read_only)
             && &self.options == opts
+            && self.encrypted == spec.encryption.is_some()
     }
 }
 
@@ -344,6 +414,10 @@ struct Node {
     serving: RwLock<Serving>,
     size: AtomicU64,
     read_only: bool,
+    /// The data cipher of an encrypted volume: set before it serves.
+    crypt: std::sync::OnceLock<Arc<DataCipher>>,
+    /// Whether it is encrypted (then it serves only with `crypt` set).
+    encrypted: bool,
 }
 
 /// Whether a file's image is open.
@@ -381,6 +455,26 @@ impl Node {
             serving: RwLock::new(serving),
             size: AtomicU64::new(size),
             read_only,
+            crypt: std::sync::OnceLock::new(),
+            encrypted: false,
+        }
+    }
+
+    fn encrypted(mut self, crypt: Option<Arc<DataCipher>>, encrypted: bool) -> Node {
+        self.encrypted = encrypted;
+        if let Some(c) = crypt {
+            let _ = self.crypt.set(c);
+        }
+        self
+    }
+
+    /// The cipher to serve with: `Err` (answer EIO) for an encrypted file
+    /// whose key is not there, which never serves.
+    fn cipher(&self) -> std::result::Result<Option<Arc<DataCipher>>, ()> {
+        match (self.crypt.get(), self.encrypted) {
+            (Some(c), _) => Ok(Some(Arc::clone(c))),
+            (None, false) => Ok(None),
+            (None, true) => Err(()),
         }
     }
 
@@ -609,18 +703,38 @@ impl fk::Handler for Fs {
                 if r.offset >= size {
                     return reply.ok(&[]);
                 }
-                let Some((image, reply)) = n.image(hdr, reply) else {
-                    return;
+                let Ok(crypt) = n.cipher() else {
+                    return reply.error(libc::EIO);
                 };
                 let len = (r.size as u64).min(size - r.offset) as usize;
+                if crypt.as_ref().is_some_and(|c| !c.aligned(r.offset, len)) {
+                    // The loop device's block size is the sector size.
+                    return reply.error(libc::EINVAL);
+                }
+                let Some((image, mut reply)) = n.image(hdr, reply) else {
+                    return;
+                };
                 let Some(mem) = reply.data_mem(len) else {
                     return reply.error(libc::EIO);
                 };
-                // Straight into the slot the reply is written from.
-                let fut = image.aio_read_buf(r.offset, mem);
+                // Straight into the slot the reply is written from (and
+                // decrypted there).
+                let at = r.offset + crypt.as_ref().map_or(0, |c| c.offset);
+                let fut = image.aio_read_buf(at, mem);
+                let pos = r.offset;
                 self.complete(async move {
                     match fut.await {
-                        Ok(got) => reply.ok_data(got),
+                        Ok(got) => {
+                            if let Some(c) = &crypt {
+                                let whole = got / c.sector_size() * c.sector_size();
+                                match reply.data_mut(whole) {
+                                    Some(buf) => c.decrypt(pos, buf),
+                                    None => return reply.error(libc::EIO),
+                                }
+                                return reply.ok_data(whole);
+                            }
+                            reply.ok_data(got)
+                        }
                         Err(e) => reply.error(errno_of(&e)),
                     }
                 });
@@ -641,16 +755,40 @@ impl fk::Handler for Fs {
                 if w.offset.saturating_add(w.size as u64) > n.size.load(Ordering::SeqCst) {
                     return reply.error(libc::ENOSPC);
                 }
+                let Ok(crypt) = n.cipher() else {
+                    return reply.error(libc::EIO);
+                };
+                if crypt
+                    .as_ref()
+                    .is_some_and(|c| !c.aligned(w.offset, w.size as usize))
+                {
+                    return reply.error(libc::EINVAL);
+                }
                 let Some(reply) = held_for_test(reply) else {
                     return;
                 };
                 let Some((image, reply)) = n.image(hdr, reply) else {
                     return;
                 };
-                let Some(mem) = reply.data_mem(w.size as usize) else {
-                    return reply.error(libc::EIO);
+                let fut = match &crypt {
+                    // Encrypted into a buffer of its own: the journal's copy
+                    // stays plaintext, so a request served again after a
+                    // worker restart is encrypted once, from the same data.
+                    Some(c) => {
+                        let Some(plain) = reply.data(w.size as usize) else {
+                            return reply.error(libc::EIO);
+                        };
+                        let mut buf = plain.to_vec();
+                        c.encrypt(w.offset, &mut buf);
+                        image.aio_write(w.offset + c.offset, buf)
+                    }
+                    None => {
+                        let Some(mem) = reply.data_mem(w.size as usize) else {
+                            return reply.error(libc::EIO);
+                        };
+                        image.aio_write_buf(w.offset, mem)
+                    }
                 };
-                let fut = image.aio_write_buf(w.offset, mem);
                 let out = fk::WriteOut {
                     size: w.size,
                     padding: 0,
@@ -689,6 +827,11 @@ impl fk::Handler for Fs {
                 };
                 if n.read_only {
                     return reply.error(libc::EROFS);
+                }
+                if n.encrypted {
+                    // Zeroed ciphertext does not read back as zeroes: the
+                    // kernel falls back to writing zeroes, as over dm-crypt.
+                    return reply.error(libc::EOPNOTSUPP);
                 }
                 let size = n.size.load(Ordering::SeqCst);
                 let zero = libc::FALLOC_FL_PUNCH_HOLE as u32 | libc::FALLOC_FL_ZERO_RANGE as u32;
@@ -782,6 +925,18 @@ struct Live {
     /// The connection serving it; none while it is being taken over.
     conn_key: Option<ConnKey>,
 }
+
+/// A mapping taken over: its image, connection, client address and, when
+/// encrypted, its data cipher.
+type TakenOver = (Image, ConnKey, Option<String>, Option<Arc<DataCipher>>);
+
+/// A mapping a restarted worker takes over: its record, the cephx keys to
+/// try, and its volume key when it is encrypted.
+type TakeOver = (
+    Record,
+    Vec<crate::rados::Secret>,
+    Option<crate::rados::Secret>,
+);
 
 /// One librados connection per monitors, user, librbd settings and key
 /// (a fingerprint of it): images share a connection only when they were
@@ -1157,7 +1312,8 @@ impl Daemon {
         &self,
         rec: &Record,
         keys: &[crate::rados::Secret],
-    ) -> Result<(Image, ConnKey, Option<String>)> {
+        volume_key: Option<&crate::rados::Secret>,
+    ) -> Result<TakenOver> {
         let mut last = None;
         for key in keys {
             let spec = AttachSpec {
@@ -1171,6 +1327,7 @@ impl Daemon {
                 snapshot: rec.snapshot.clone(),
                 read_only: rec.read_only,
                 options: Vec::new(),
+                encryption: None,
             };
             match self.connect(&spec, &rec.options) {
                 Ok(c) => {
@@ -1208,10 +1365,21 @@ impl Daemon {
                 }
                 break_dead_lock(&image, rec);
             }
-            Ok::<_, Error>(image)
+            let crypt = match (rec.encrypted, volume_key) {
+                (false, _) => None,
+                (true, Some(k)) => Some(with_key(&image, k, &rec.volume_id)?),
+                (true, None) => {
+                    return Err(Error::invalid(
+                        "attach",
+                        rec.volume_id.clone(),
+                        "no volume key kept for this encrypted mapping",
+                    ))
+                }
+            };
+            Ok::<_, Error>((image, crypt))
         })();
         match opened {
-            Ok(image) => Ok((image, conn_key, cluster.addrs().ok())),
+            Ok((image, crypt)) => Ok((image, conn_key, cluster.addrs().ok(), crypt)),
             Err(e) => {
                 self.drop_conn_if_unused(&conn_key);
                 Err(e)
@@ -1228,10 +1396,10 @@ impl Daemon {
         &self,
         rec: &Record,
         image: Image,
+        size: u64,
         conn_key: ConnKey,
         addr: Option<String>,
-    ) -> Result<(Image, u64)> {
-        let size = image.size().unwrap_or(rec.size);
+    ) -> Result<Image> {
         let mut t = self.lock_table();
         let before = t.live.get_mut(&rec.volume_id).map(|l| {
             let old = (l.rec.size, l.rec.client_addr.clone(), l.conn_key.clone());
@@ -1253,7 +1421,7 @@ impl Daemon {
                 "cannot save the state of a taken-over mapping: not serving it yet");
             return Err(e);
         }
-        Ok((image, size))
+        Ok(image)
     }
 
     /// Takes over every mapping in `todo` (waiting nodes), retrying each
@@ -1261,11 +1429,11 @@ impl Daemon {
     /// Requests that waited are served once the image is open.
     /// Re-opens every mapping of the previous worker, all at once: one
     /// whose cluster does not answer holds up no other.
-    fn take_over_all(&self, todo: Vec<(Record, Vec<crate::rados::Secret>)>) {
+    fn take_over_all(&self, todo: Vec<TakeOver>) {
         let started = Instant::now();
         std::thread::scope(|s| {
-            for (rec, keys) in todo {
-                s.spawn(move || self.take_over_retrying(rec, keys, started));
+            for (rec, keys, vk) in todo {
+                s.spawn(move || self.take_over_retrying(rec, keys, vk, started));
             }
         });
     }
@@ -1273,19 +1441,30 @@ impl Daemon {
     /// Re-opens one mapping, retrying with a growing pause until
     /// `--reopen-timeout` from `started`; its parked requests are served
     /// once it is open, or failed (EIO) when it gives up.
-    fn take_over_retrying(&self, rec: Record, keys: Vec<crate::rados::Secret>, started: Instant) {
+    fn take_over_retrying(
+        &self,
+        rec: Record,
+        keys: Vec<crate::rados::Secret>,
+        volume_key: Option<crate::rados::Secret>,
+        started: Instant,
+    ) {
         let mut pause = Duration::from_millis(200);
         for tries in 1u32.. {
             let Some(node) = self.fs.node(rec.ino) else {
                 return; // detached meanwhile
             };
-            let took = self
-                .take_over(&rec, &keys)
-                .and_then(|(image, conn_key, addr)| {
-                    self.record_takeover(&rec, image, conn_key, addr)
-                });
+            let took = self.take_over(&rec, &keys, volume_key.as_ref()).and_then(
+                |(image, conn_key, addr, crypt)| {
+                    let size = served_size(&image, crypt.as_deref()).unwrap_or(rec.size);
+                    self.record_takeover(&rec, image, size, conn_key, addr)
+                        .map(|image| (image, size, crypt))
+                },
+            );
             match took {
-                Ok((image, size)) => {
+                Ok((image, size, crypt)) => {
+                    if let Some(c) = crypt {
+                        let _ = node.crypt.set(c);
+                    }
                     node.size.store(size, Ordering::SeqCst);
                     let parked = node.set(Serving::Ready(Arc::new(image)));
                     tracing::info!(volume = %rec.volume_id, device = ?rec.device, tries,
@@ -1366,7 +1545,8 @@ impl Daemon {
                 }
             }
             // The image is open but its device went away: bind a new one.
-            let dev = self.bind(&file, rec.read_only, &rec.options)?;
+            let bs = block_size(&rec.options, node.crypt.get().map(|c| &**c), &vol)?;
+            let dev = self.bind(&file, rec.read_only, &rec.options, bs)?;
             let mut t = self.lock_table();
             if let Some(l) = t.live.get_mut(&vol) {
                 l.rec.device = Some(dev.display().to_string());
@@ -1406,14 +1586,29 @@ impl Daemon {
             if let Some(old) = before_restart.as_ref().filter(|_| !read_only) {
                 break_dead_lock(&image, old);
             }
-            let size = image.size()?;
-            Ok::<_, Error>((image, size))
+            let (crypt, key, size) = match &spec.encryption {
+                Some(pass) => {
+                    let (c, key) = unlock(&image, pass.expose().as_bytes(), &vol)?;
+                    let h_size = image.size()?.saturating_sub(c.offset);
+                    let size = h_size / c.sector_size() as u64 * c.sector_size() as u64;
+                    (Some(c), Some(key), size)
+                }
+                None => (None, None, image.size()?),
+            };
+            block_size(&opts, crypt.as_deref(), &vol)?;
+            Ok::<_, Error>((image, crypt, key, size))
         })();
         let opened = opened.and_then(|v| match &self.store {
-            Some(store) => store.put_key(&vol, &spec.key).map(|()| v),
+            Some(store) => {
+                store.put_key(&vol, &spec.key)?;
+                if let Some(k) = &v.2 {
+                    store.put_key(&luks_key_name(&vol), &k.to_secret())?;
+                }
+                Ok(v)
+            }
             None => Ok(v),
         });
-        let (image, size) = match opened {
+        let (image, crypt, _key, size) = match opened {
             Ok(v) => v,
             Err(e) => {
                 self.drop_conn_if_unused(&conn_key);
@@ -1428,20 +1623,25 @@ impl Daemon {
             ino
         };
         let name = file_name(ino, &vol);
-        let node = Arc::new(Node::new(
-            ino,
-            name.clone(),
-            Serving::Ready(Arc::new(image)),
-            size,
-            read_only,
-        ));
+        let encrypted = crypt.is_some();
+        let bs = block_size(&opts, crypt.as_deref(), &vol)?;
+        let node = Arc::new(
+            Node::new(
+                ino,
+                name.clone(),
+                Serving::Ready(Arc::new(image)),
+                size,
+                read_only,
+            )
+            .encrypted(crypt, encrypted),
+        );
         self.fs
             .nodes
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .insert(ino, Arc::clone(&node));
         let file = self.mnt.join(&name);
-        let dev = match self.bind(&file, read_only, &opts) {
+        let dev = match self.bind(&file, read_only, &opts, bs) {
             Ok(d) => d,
             Err(e) => {
                 self.fs
@@ -1469,8 +1669,9 @@ impl Daemon {
             size,
             client_addr: cluster.addrs().ok(),
             options: opts,
+            encrypted,
         };
-        tracing::info!(volume = %vol, image = %rec.image_spec(), device = %dev.display(), size, "attached");
+        tracing::info!(volume = %vol, image = %rec.image_spec(), device = %dev.display(), size, encrypted, "attached");
         let mut t = self.lock_table();
         t.stale.remove(&vol);
         t.live.insert(
@@ -1492,7 +1693,13 @@ impl Daemon {
 
     /// Opens the FUSE file and binds a loop device to it, set up as `opts`
     /// ask.
-    fn bind(&self, file: &Path, read_only: bool, opts: &FuseMapOptions) -> Result<PathBuf> {
+    fn bind(
+        &self,
+        file: &Path,
+        read_only: bool,
+        opts: &FuseMapOptions,
+        block_size: u32,
+    ) -> Result<PathBuf> {
         let f = OpenOptions::new()
             .read(true)
             .write(!read_only)
@@ -1506,10 +1713,11 @@ impl Daemon {
                 read_only,
                 direct_io: true,
                 // krbd's sector size: filesystems made on either mount on
-                // both. Direct I/O on a FUSE file only needs the loop block
-                // size to be at least the file's DIO alignment, which FUSE
-                // reports as 512 (no STATX_DIOALIGN, no backing bdev).
-                block_size: opts.block_size.unwrap_or(512),
+                // both (an encrypted volume's is its LUKS2 sector size, as
+                // dm-crypt's). Direct I/O on a FUSE file only needs the loop
+                // block size to be at least the file's DIO alignment, which
+                // FUSE reports as 512 (no STATX_DIOALIGN, no backing bdev).
+                block_size,
             },
         )?;
         if let Err(e) = tune_device(&dev, opts) {
@@ -1615,6 +1823,7 @@ impl Daemon {
             }
             if let Some(store) = &self.store {
                 store.drop_key(vol)?;
+                store.drop_key(&luks_key_name(vol))?;
             }
             tracing::info!(volume = %vol, "detached");
         } else if let Some(rec) = stale {
@@ -1633,6 +1842,7 @@ impl Daemon {
             self.save(&t)?;
             if let Some(store) = &self.store {
                 store.drop_key(vol)?;
+                store.drop_key(&luks_key_name(vol))?;
             }
             tracing::info!(volume = %vol, device = ?rec.device, "forgot a mapping from before the restart");
         }
@@ -1810,7 +2020,13 @@ impl Daemon {
                 node.not_serving().unwrap_or_default(),
             ));
         };
-        let size = image.size()?;
+        let size = match node.crypt.get() {
+            Some(c) => {
+                let s = c.sector_size() as u64;
+                image.size()?.saturating_sub(c.offset) / s * s
+            }
+            None => image.size()?,
+        };
         node.size.store(size, Ordering::SeqCst);
         let file = self.mnt.join(&rec.file);
         // attr_valid is 0, so a stat makes the kernel fetch the new size.
@@ -1848,7 +2064,7 @@ impl Daemon {
 
     fn handle(&self, req: ControlRequest) -> Result<ControlResponse> {
         match req {
-            ControlRequest::Attach(spec) => self.attach(spec),
+            ControlRequest::Attach(spec) => self.attach(*spec),
             ControlRequest::Detach {
                 volume_id,
                 force,
@@ -2411,13 +2627,17 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
                         }
                     }
                 }
-                let node = Arc::new(Node::new(
-                    rec.ino,
-                    rec.file.clone(),
-                    Serving::Waiting(Vec::new(), None),
-                    rec.size,
-                    rec.read_only,
-                ));
+                let vk = keys.get(&luks_key_name(&rec.volume_id)).cloned();
+                let node = Arc::new(
+                    Node::new(
+                        rec.ino,
+                        rec.file.clone(),
+                        Serving::Waiting(Vec::new(), None),
+                        rec.size,
+                        rec.read_only,
+                    )
+                    .encrypted(None, rec.encrypted),
+                );
                 fs.nodes
                     .write()
                     .unwrap_or_else(|e| e.into_inner())
@@ -2430,7 +2650,7 @@ pub fn run(args: FuseMapperArgs) -> Result<()> {
                         conn_key: None,
                     },
                 );
-                takeover.push((rec.clone(), ks));
+                takeover.push((rec.clone(), ks, vk));
             }
             _ => {
                 table.stale.insert(rec.volume_id.clone(), rec.clone());

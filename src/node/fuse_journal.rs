@@ -401,6 +401,25 @@ impl Slot {
             .store(State::InFlight as u32, Ordering::Release);
     }
 
+    /// `len` bytes at [`DATA_AT`] (a WRITE's payload, a READ's data once
+    /// read), to look at.
+    pub fn data(&self, len: usize) -> &[u8] {
+        let len = len.min(MAX_WRITE as usize);
+        // SAFETY: inside our slot; while the slot is borrowed no request
+        // of it is in flight (callers read after librbd is done with it,
+        // or before it is lent).
+        unsafe { std::slice::from_raw_parts(self.ptr(DATA_AT), len) }
+    }
+
+    /// `len` bytes at [`DATA_AT`] to change in place (a READ's data,
+    /// decrypted before the reply).
+    pub fn data_mut(&mut self, len: usize) -> &mut [u8] {
+        let len = len.min(MAX_WRITE as usize);
+        // SAFETY: inside our slot, borrowed exclusively; librbd is done
+        // with the memory it was lent (its request completed).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr(DATA_AT), len) }
+    }
+
     /// `len` bytes at [`DATA_AT`], lent to librbd.
     pub fn data_mem(&self, len: usize) -> SlotMem {
         SlotMem {

@@ -503,6 +503,17 @@ impl Reply {
         self.slot.as_ref().map(|s| s.data_mem(len))
     }
 
+    /// `len` bytes of the slot's data region: a WRITE's payload.
+    pub fn data(&self, len: usize) -> Option<&[u8]> {
+        self.slot.as_ref().map(|s| s.data(len))
+    }
+
+    /// `len` bytes of the slot's data region to change in place: a READ's
+    /// data after librbd filled it, before [`Reply::ok_data`].
+    pub fn data_mut(&mut self, len: usize) -> Option<&mut [u8]> {
+        self.slot.as_mut().map(|s| s.data_mut(len))
+    }
+
     fn write(ch: &Channel, unique: u64, error: i32, payload: &[u8]) {
         let len = std::mem::size_of::<OutHeader>() + payload.len();
         let hdr = OutHeader {

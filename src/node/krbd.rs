@@ -811,6 +811,7 @@ mod tests {
             snapshot: None,
             read_only: false,
             options: vec!["lock_on_read".into(), "queue_depth=128".into()],
+            encryption: None,
         }
     }
 

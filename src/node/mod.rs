@@ -12,6 +12,7 @@
 
 pub mod cgroup_io;
 mod command;
+pub mod dmcrypt;
 pub mod fs;
 pub mod keyring;
 pub mod krbd;
@@ -54,6 +55,10 @@ pub struct MapSpec {
     pub read_only: bool,
     /// This mapper's options from the `mapOptions` parameter.
     pub options: Vec<String>,
+    /// The LUKS2 passphrase of an encrypted volume, for a mapper that
+    /// decrypts itself ([`Mapper::decrypts`]); others map the ciphertext
+    /// and the node opens it with dm-crypt. Never logged.
+    pub encryption: Option<Secret>,
 }
 
 /// A way to turn an RBD image into a block device on this node.
@@ -100,6 +105,13 @@ pub trait Mapper: Send + Sync {
     /// Whether this mapper can map on this node now (the node plugin's
     /// Probe); the error says why not.
     fn ready(&self) -> Result<(), String>;
+
+    /// Whether the device [`Mapper::map`] returns for an encrypted volume
+    /// is already decrypted (rbdkit-fuse, with [`MapSpec::encryption`]);
+    /// otherwise it is the ciphertext, for dm-crypt.
+    fn decrypts(&self) -> bool {
+        false
+    }
 
     /// Tells the mapper which cluster `volume_id` was mapped from, after a
     /// restart made it forget (the node plugin keeps it in its stash). A

@@ -122,6 +122,8 @@ pub struct Context {
     pub adopt: BTreeSet<legacy::Kind>,
     /// The Secret legacy volumes are deleted and expanded with.
     pub legacy_secret: Option<SecretRef>,
+    /// The KMS config file (read at each encrypted create).
+    pub kms_config: std::path::PathBuf,
     /// PVs (by uid) whose volume this process deleted, so that the echo of
     /// letting go of one (our finalizer removed, the PV still Released) is
     /// not a second delete. Lost on restart, which only costs that echo.
@@ -171,10 +173,17 @@ impl Context {
             started: Mutex::new(HashMap::new()),
             adopt: BTreeSet::new(),
             legacy_secret: None,
+            kms_config: crate::volume::kms::DEFAULT_CONFIG_PATH.into(),
             deleted: Mutex::new(HashMap::new()),
             pv_cache: Mutex::new(None),
             class_cache: Mutex::new(None),
         }
+    }
+
+    /// Reads the KMS config for encrypted volumes from `path`.
+    pub fn with_kms_config(mut self, path: std::path::PathBuf) -> Self {
+        self.kms_config = path;
+        self
     }
 
     /// Deletes and expands the unmigrated PVs of `adopt`'s provisioners,
@@ -1079,6 +1088,19 @@ async fn provision_steps(
         }
         other => (params, other.map(|(p, _)| p)),
     };
+    let encryption = match &params.encryption {
+        None => None,
+        Some(e) => Some(
+            crate::provisioner::encryption::encryption_for(
+                ctx,
+                e,
+                &prov_secret,
+                source.is_none().then_some(size),
+                &namespace,
+            )
+            .await?,
+        ),
+    };
 
     // Before any image exists: the claim cannot go away without us
     // cleaning up, and we will know where to look.
@@ -1130,12 +1152,28 @@ async fn provision_steps(
     let options = params
         .image_options()
         .map_err(|e| format!("image options: {e}"))?;
+    let parent = source.as_ref().map(|s| match s {
+        Source::Volume { volume, .. } => volume.clone(),
+        Source::Snapshot { snapshot, .. } => snapshot.image_id(),
+    });
+    let encryption =
+        crate::provisioner::encryption::vault_encryption(ctx, &conn, encryption, &vol, parent)
+            .await?;
     let vol_c = vol.clone();
     let mut flatten_later = false;
     let created = match source {
         None => ctx
             .ceph(&conn, move |c, m, f| {
-                ops::ensure_image(c, m, f, &vol_c, size, &options, &owner)
+                ops::ensure_image_encrypted(
+                    c,
+                    m,
+                    f,
+                    &vol_c,
+                    size,
+                    &options,
+                    &owner,
+                    encryption.as_ref(),
+                )
             })
             .await
             .map_err(|e| format!("cannot create image {vol}: {e}"))?,
@@ -1149,6 +1187,7 @@ async fn provision_steps(
             let opts = CloneOptions {
                 depth: params.clone_depth,
                 fence: Arc::clone(&ctx.fence),
+                encryption,
                 ..Default::default()
             };
             let what = src.describe();
@@ -1310,21 +1349,29 @@ async fn cleanup_image(
     let provisioner = ctx.name.clone();
     let pv = pv_name.to_owned();
     let vol_c = vol.clone();
-    let outcome = match ctx
-        .ceph(&conn, move |c, m, f| {
-            ops::delete_image(c, m, f, &vol_c, &provisioner, &pv)
-        })
-        .await
-    {
-        Ok(o) => o,
-        // Someone else's image holds the name: provisioning refused to
-        // adopt it, so nothing of ours is there; leave it and let go.
-        Err(e @ VolumeError::NotOwned { .. }) if matches!(&e, VolumeError::NotOwned { image, .. } if *image == vol.image) =>
-        {
-            tracing::warn!(image = %vol, "claim deleted; {e}");
-            return Ok(());
-        }
-        Err(e) => return Err(format!("cannot remove image {vol} of deleted claim: {e}")),
+    let v = vol.clone();
+    let outcome = crate::provisioner::encryption::remove_with_key(
+        ctx,
+        &conn,
+        &vol,
+        handle,
+        false,
+        &secret,
+        move |c, m, f| match ops::delete_image(c, m, f, &vol_c, &provisioner, &pv) {
+            // Someone else's image holds the name: provisioning refused to
+            // adopt it, so nothing of ours is there; leave it and let go.
+            Err(e @ VolumeError::NotOwned { .. }) if matches!(&e, VolumeError::NotOwned { image, .. } if *image == v.image) =>
+            {
+                tracing::warn!(image = %v, "claim deleted; {e}");
+                Ok(None)
+            }
+            other => other.map(Some),
+        },
+    )
+    .await
+    .map_err(|e| format!("cannot remove image {vol} of deleted claim: {e}"))?;
+    let Some(outcome) = outcome else {
+        return Ok(());
     };
     tracing::info!(image = %vol, ?outcome, "removed the image of a claim deleted during provisioning");
     Ok(())
@@ -1724,11 +1771,16 @@ async fn delete_steps(
     let provisioner = ctx.name.clone();
     let pv_name = pv.name_any();
     let vol_c = vol.clone();
-    ctx.ceph(&conn, move |c, m, f| {
-        ops::delete_image(c, m, f, &vol_c, &provisioner, &pv_name)
-    })
+    crate::provisioner::encryption::remove_with_key(
+        ctx,
+        &conn,
+        &vol,
+        &vol.handle(),
+        false,
+        &secret,
+        move |c, m, f| ops::delete_image(c, m, f, &vol_c, &provisioner, &pv_name),
+    )
     .await
-    .map_err(|e| format!("cannot delete image {vol}: {e}"))
 }
 
 #[cfg(test)]

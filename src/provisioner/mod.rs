@@ -9,6 +9,7 @@
 //! - [`pv`]: the PV built for a claim;
 //! - [`secrets`]: cephx credentials from Secrets;
 //! - [`controller`]: the reconcilers;
+//! - [`encryption`]: the KMS keys of encrypted volumes;
 //! - [`metrics`]: Prometheus metrics;
 //! - [`source`]: claims with a data source (clones, restores);
 //! - [`maintenance`]: background flattens and the trash, while leading.
@@ -24,6 +25,7 @@
 //! controller.
 
 pub mod controller;
+pub mod encryption;
 pub mod maintenance;
 pub mod metrics;
 pub mod modify;
@@ -74,6 +76,12 @@ pub struct ProvisionerArgs {
     /// it changes.
     #[arg(long, value_name = "FILE")]
     pub clusters_config: PathBuf,
+
+    /// ceph-csi's KMS config (the `ceph-csi-encryption-kms-config`
+    /// ConfigMap's config.json), read at each encrypted volume's create; a
+    /// missing file leaves only the `default` KMS.
+    #[arg(long, value_name = "FILE", default_value = crate::volume::kms::DEFAULT_CONFIG_PATH)]
+    pub kms_config: PathBuf,
 
     /// A kubeconfig file; without it, the in-cluster service account is used.
     #[arg(long, value_name = "FILE", env = "KUBECONFIG")]
@@ -363,7 +371,8 @@ pub async fn run_until(
             Arc::new(RateLimiter::new(args.rate_limit, args.rate_burst)),
             fence,
         )
-        .with_legacy(adopt, legacy_secret),
+        .with_legacy(adopt, legacy_secret)
+        .with_kms_config(args.kms_config.clone()),
     );
 
     let mut leader_rx_loop = leader_rx.clone();

@@ -19,19 +19,60 @@ pub const USER_KEY: &str = "userKey";
 /// Reads the credentials in `secret`. Errors say what is missing, never
 /// what is there.
 pub async fn credentials(client: &kube::Client, secret: &SecretRef) -> Result<Credentials, String> {
-    let api: Api<K8sSecret> = Api::namespaced(client.clone(), &secret.namespace);
-    let s = match api.get_opt(&secret.name).await {
-        Ok(Some(s)) => s,
-        Ok(None) => return Err(format!("Secret {secret} not found")),
-        Err(kube::Error::Api(e)) => {
-            return Err(format!(
-                "cannot read Secret {secret}: {} ({})",
-                e.reason, e.code
-            ))
-        }
-        Err(e) => return Err(format!("cannot read Secret {secret}: {e}")),
-    };
+    let s = fetch(client, secret).await?;
     credentials_from(&s).map_err(|why| format!("Secret {secret}: {why}"))
+}
+
+/// The Secret `secret`, or an error naming it (never its data).
+async fn fetch(client: &kube::Client, secret: &SecretRef) -> Result<K8sSecret, String> {
+    let api: Api<K8sSecret> = Api::namespaced(client.clone(), &secret.namespace);
+    match api.get_opt(&secret.name).await {
+        Ok(Some(s)) => Ok(s),
+        Ok(None) => Err(format!("Secret {secret} not found")),
+        Err(kube::Error::Api(e)) => Err(format!(
+            "cannot read Secret {secret}: {} ({})",
+            e.reason, e.code
+        )),
+        Err(e) => Err(format!("cannot read Secret {secret}: {e}")),
+    }
+}
+
+/// The `encryptionPassphrase` of `secret`, if it has one (for the
+/// `default` and `metadata` KMS of encrypted volumes). Errors never name
+/// the Secret's data.
+pub async fn encryption_passphrase(
+    client: &kube::Client,
+    secret: &SecretRef,
+) -> Result<Option<Secret>, String> {
+    let s = fetch(client, secret).await?;
+    let Some(bytes) = s
+        .data
+        .as_ref()
+        .and_then(|d| d.get(crate::volume::kms::PASSPHRASE_KEY))
+    else {
+        return Ok(None);
+    };
+    let text = std::str::from_utf8(&bytes.0).map_err(|_| {
+        format!(
+            "Secret {secret}: {:?} is not UTF-8",
+            crate::volume::kms::PASSPHRASE_KEY
+        )
+    })?;
+    Ok((!text.is_empty()).then(|| Secret::new(text.to_owned())))
+}
+
+/// The text values of `secret` (for a Vault KMS's `vaultCAFromSecret` and
+/// client certificate keys); values that are not UTF-8 are left out.
+pub async fn secret_data(
+    client: &kube::Client,
+    secret: &SecretRef,
+) -> Result<std::collections::BTreeMap<String, String>, String> {
+    let s = fetch(client, secret).await?;
+    Ok(s.data
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|(k, v)| String::from_utf8(v.0).ok().map(|v| (k, v)))
+        .collect())
 }
 
 /// Extracts the credentials from a Secret object.

@@ -507,6 +507,15 @@ async fn create(content: &VolumeSnapshotContent, ctx: &Context) -> Result<(), St
         })
         .await
         .map_err(|e| format!("cannot snapshot volume {source}: {e}"))?;
+    // A Vault-encrypted source's key, copied under the snapshot's id.
+    crate::provisioner::encryption::snapshot_key(
+        ctx,
+        &conn,
+        &info.id.image_id(),
+        &info.id.handle(),
+        &secret,
+    )
+    .await?;
     set_ready(ctx, &name, &info)
         .await
         .map_err(|e| e.to_string())?;
@@ -631,9 +640,20 @@ async fn delete_steps(content: &VolumeSnapshotContent, ctx: &Context) -> Result<
         .volume_handle
         .as_deref()
         .and_then(|h| VolumeId::parse(h).ok());
-    let outcome = ctx
-        .ceph(&conn, move |c, m, f| {
-            let done = snap::delete_snapshot_fenced(c, m, f, &sid, &provisioner)?;
+    // A Vault key of the snapshot goes once its image is gone.
+    let done = crate::provisioner::encryption::remove_with_key(
+        ctx,
+        &conn,
+        &id.image_id(),
+        &id.handle(),
+        true,
+        &secret,
+        move |c, m, f| {
+            let done = match snap::delete_snapshot_fenced(c, m, f, &sid, &provisioner) {
+                // The pool itself is gone: so is the snapshot.
+                Err(VolumeError::Ceph(e)) if e.is_not_found() => return Ok(None),
+                other => other?,
+            };
             // A create killed early leaves its temporary snapshot on the
             // source, where only the content's spec can point.
             if let Some(src) =
@@ -641,18 +661,13 @@ async fn delete_steps(content: &VolumeSnapshotContent, ctx: &Context) -> Result<
             {
                 snap::remove_temp_snapshot(c, m, f, &src, &sid.image)?;
             }
-            Ok(done)
-        })
-        .await;
-    match outcome {
-        Ok(done) => {
-            tracing::info!(content = %content.name_any(), snapshot = %id, outcome = ?done, "snapshot deleted");
-            Ok(())
-        }
-        // The pool itself is gone: so is the snapshot.
-        Err(VolumeError::Ceph(e)) if e.is_not_found() => Ok(()),
-        Err(e) => Err(format!("cannot delete snapshot {id}: {e}")),
-    }
+            Ok(Some(done))
+        },
+    )
+    .await
+    .map_err(|e| format!("cannot delete snapshot {id}: {e}"))?;
+    tracing::info!(content = %content.name_any(), snapshot = %id, outcome = ?done, "snapshot deleted");
+    Ok(())
 }
 
 /// How often a provisioner without the snapshot CRDs looks for them again.

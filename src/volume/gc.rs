@@ -465,6 +465,57 @@ pub fn remove(
     }
 }
 
+/// A Vault key whose image is gone but whose removal from the KMS was not
+/// confirmed: a delete cut short between the two
+/// ([`crate::volume::encryption::KEYS_TO_REMOVE`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KmsLeftover {
+    /// The volume or snapshot handle the key belonged to.
+    pub handle: String,
+    /// The KMS, the key's id there, and the tenant.
+    pub key: crate::volume::encryption::KeyToRemove,
+}
+
+/// The [`KmsLeftover`]s noted in one pool (and RADOS namespace): notes
+/// whose image no longer exists. A note whose image still exists belongs
+/// to a delete not done yet, and is left out.
+pub fn kms_leftovers(
+    cluster: &Cluster,
+    cluster_id: &str,
+    pool: &str,
+    namespace: &str,
+) -> crate::Result<Vec<KmsLeftover>> {
+    let place = VolumeId {
+        cluster_id: cluster_id.to_owned(),
+        pool: pool.to_owned(),
+        rados_namespace: namespace.to_owned(),
+        image: String::new(),
+    };
+    let notes = crate::volume::encryption::keys_to_remove(cluster, &place, None)?;
+    if notes.is_empty() {
+        return Ok(Vec::new());
+    }
+    let io = cluster.ioctx_ns(pool, namespace)?;
+    let mut out = Vec::new();
+    for (handle, key) in notes {
+        let image = VolumeId::parse(&handle)
+            .map(|v| v.image)
+            .or_else(|_| crate::volume::SnapshotId::parse(&handle).map(|s| s.image));
+        let gone = match image {
+            Ok(name) => match Image::open_read_only(&io, &name) {
+                Ok(_) => false,
+                Err(e) if e.kind() == ErrorKind::NotFound => true,
+                Err(e) => return Err(e),
+            },
+            Err(_) => true,
+        };
+        if gone {
+            out.push(KmsLeftover { handle, key });
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

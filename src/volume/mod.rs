@@ -16,6 +16,8 @@
 //!   and taken over.
 //! - [`snapshot`]: snapshots, restores, volume clones, clone depth limits
 //!   and the trash for sources that still have clones.
+//! - [`encryption`], [`kms`], [`luks`]: encrypted volumes, where their
+//!   passphrases are kept, and the LUKS2 header both mappers open.
 //! - [`group_snapshot`]: volume group snapshots, one instant for several
 //!   volumes, each member an ordinary snapshot.
 //! - [`node_fence`]: fencing a whole node by its addresses, and lifting it.
@@ -24,10 +26,13 @@
 //! except [`pv`] and [`legacy`], whose input is PVs themselves.
 
 pub mod clusters;
+pub mod encryption;
 pub mod gc;
 pub mod group_snapshot;
 pub mod id;
+pub mod kms;
 pub mod legacy;
+pub mod luks;
 pub mod node_fence;
 pub mod ops;
 pub mod params;

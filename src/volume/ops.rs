@@ -23,6 +23,7 @@ use std::time::Instant;
 
 use crate::rados::{Cluster, IoCtx};
 use crate::rbd::{self, Image, ImageOptions};
+use crate::volume::encryption::{self, NewEncryption};
 use crate::volume::{CephObserver, Fence, VolumeId};
 use crate::{Error, ErrorKind};
 
@@ -396,11 +397,32 @@ pub fn ensure_image(
     options: &ImageOptions,
     owner: &Owner,
 ) -> Result<u64, VolumeError> {
-    ensure_image_steps(cluster, metrics, fence, vol, size, options, owner)
-        .map_err(|e| explain_denied(vol, e))
+    ensure_image_encrypted(cluster, metrics, fence, vol, size, options, owner, None)
+}
+
+/// [`ensure_image`] for a class that may ask for encryption: a new image
+/// gets its passphrase and LUKS2 header before it is renamed to its final
+/// name ([`crate::volume::encryption::setup_new`]), so a volume never
+/// exists under its name without them.
+#[allow(clippy::too_many_arguments)]
+pub fn ensure_image_encrypted(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    fence: &dyn Fence,
+    vol: &VolumeId,
+    size: u64,
+    options: &ImageOptions,
+    owner: &Owner,
+    encryption: Option<&NewEncryption>,
+) -> Result<u64, VolumeError> {
+    ensure_image_steps(
+        cluster, metrics, fence, vol, size, options, owner, encryption,
+    )
+    .map_err(|e| explain_denied(vol, e))
 }
 
 // The steps of [`ensure_image`].
+#[allow(clippy::too_many_arguments)]
 fn ensure_image_steps(
     cluster: &Cluster,
     metrics: &dyn CephObserver,
@@ -409,7 +431,12 @@ fn ensure_image_steps(
     size: u64,
     options: &ImageOptions,
     owner: &Owner,
+    encryption: Option<&NewEncryption>,
 ) -> Result<u64, VolumeError> {
+    if let Some(e) = encryption {
+        encryption::check_size(size, e.params.sector_size)
+            .map_err(|why| VolumeError::Refused { why })?;
+    }
     let io = ioctx(cluster, metrics, vol)?;
     // Already there (a retry after the PV create failed, or after a crash)?
     // The id object answers for a new name without building an image
@@ -421,6 +448,18 @@ fn ensure_image_steps(
     };
     if let Some(existing) = existing {
         check_owner(&existing, metrics, &owner.provisioner, &owner.pv_name)?;
+        let meta = timed(metrics, "metadata_list", || existing.metadata_list())?;
+        let state = encryption::state_of(&meta, &vol.image)?;
+        if state.encrypted() != encryption.is_some() {
+            return Err(VolumeError::Conflict {
+                image: vol.image.clone(),
+                why: format!(
+                    "it exists {}encrypted, and the class asks for {}encryption",
+                    if state.encrypted() { "" } else { "un" },
+                    if encryption.is_some() { "" } else { "no " }
+                ),
+            });
+        }
         let current = timed(metrics, "size", || existing.size())?;
         let id = timed(metrics, "id", || existing.id())?;
         drop(existing);
@@ -434,6 +473,19 @@ fn ensure_image_steps(
     for (k, v) in owner.pairs() {
         fenced(fence, "rbd_metadata_set", &temp_obj)?;
         timed(metrics, "metadata_set", || image.metadata_set(k, v))?;
+    }
+    if let Some(e) = encryption {
+        fenced(fence, "rbd_write", &temp_obj)?;
+        let handle = vol.handle();
+        timed(metrics, "encryption_format", || {
+            encryption::setup_new(
+                &image,
+                &handle,
+                &e.params.kms_id,
+                &e.keys,
+                &e.format_options(),
+            )
+        })?;
     }
     let current = timed(metrics, "size", || image.size())?;
     timed(metrics, "close", || image.close())?;

@@ -61,6 +61,22 @@ pub const PVC_NAME_META: &str = "csi.storage.k8s.io/pvc/name";
 /// The claim's namespace, from `--extra-create-metadata`.
 pub const PVC_NAMESPACE_META: &str = "csi.storage.k8s.io/pvc/namespace";
 
+/// `encrypted`: LUKS2 encryption of the volume (Go's boolean spellings).
+pub const ENCRYPTED: &str = "encrypted";
+/// `encryptionKMSID`: the KMS config entry of the passphrases (`default`:
+/// the Secrets' `encryptionPassphrase`).
+pub const ENCRYPTION_KMS_ID: &str = "encryptionKMSID";
+/// `encryptionType`: `block` (LUKS2) or `file` (fscrypt, refused).
+pub const ENCRYPTION_TYPE: &str = "encryptionType";
+/// `encryptionCipher`: the LUKS2 cipher (only `aes-xts-plain64`).
+pub const ENCRYPTION_CIPHER: &str = "encryptionCipher";
+/// `encryptionKeySize`: the volume key's size in bits (256 or 512).
+pub const ENCRYPTION_KEY_SIZE: &str = "encryptionKeySize";
+/// `encryptionSectorSize`: the LUKS2 data sector size (512 to 4096).
+pub const ENCRYPTION_SECTOR_SIZE: &str = "encryptionSectorSize";
+/// `integrityMode`: dm-integrity on the encrypted device (refused).
+pub const INTEGRITY_MODE: &str = "integrityMode";
+
 /// Clone depth past which a new clone is flattened in the background (named
 /// after ceph-csi's `--rbdsoftmaxclonedepth` flag).
 pub const SOFT_MAX_CLONE_DEPTH: &str = "rbdSoftMaxCloneDepth";
@@ -81,12 +97,7 @@ const NO_EFFECT: &[&str] = &["cephLogDir", "cephLogStrategy"];
 
 /// ceph-csi parameters rbdkit cannot honour yet, each with the value that
 /// means "off" (accepted) or `None` when any value is refused.
-const NOT_YET: &[(&str, Option<&str>)] = &[
-    ("encrypted", Some("false")),
-    ("encryptionKMSID", None),
-    ("encryptionType", None),
-    ("thickProvision", Some("false")),
-];
+const NOT_YET: &[(&str, Option<&str>)] = &[("thickProvision", Some("false"))];
 
 /// Values of `mounter` and the mapper each selects.
 const MOUNTERS: &[(&str, &str)] = &[
@@ -377,6 +388,8 @@ pub struct ClassParams {
     /// VolumeAttributesClass, through CSI `mutable_parameters`, overrides
     /// them).
     pub qos: crate::volume::qos::Policy,
+    /// LUKS2 encryption, when the class asks for it.
+    pub encryption: Option<crate::volume::encryption::EncryptionParams>,
 }
 
 /// Bounds on the depth of a clone chain (how many parents an image has).
@@ -447,6 +460,9 @@ pub struct NodeParams {
     pub mkfs_options: Option<String>,
     /// `tryOtherMounters`.
     pub try_other_mounters: bool,
+    /// The KMS id of an encrypted volume's passphrase (`encrypted` and
+    /// `encryptionKMSID`), `None` for a plain volume.
+    pub encryption_kms: Option<String>,
 }
 
 impl NodeParams {
@@ -467,6 +483,11 @@ impl NodeParams {
         }
         if self.try_other_mounters {
             out.push((TRY_OTHER_MOUNTERS, "true".to_owned()));
+        }
+        if let Some(kms) = &self.encryption_kms {
+            out.push((ENCRYPTED, "true".to_owned()));
+            out.push((ENCRYPTION_TYPE, "block".to_owned()));
+            out.push((ENCRYPTION_KMS_ID, kms.clone()));
         }
         out
     }
@@ -536,7 +557,114 @@ fn parse_node_params(params: &BTreeMap<String, String>) -> Result<NodeParams, Pa
         unmap_options: params.get(UNMAP_OPTIONS).cloned(),
         mkfs_options: params.get(MKFS_OPTIONS).cloned(),
         try_other_mounters: parse_bool(params, TRY_OTHER_MOUNTERS)?,
+        encryption_kms: parse_encryption(params)?.map(|e| e.kms_id),
     })
+}
+
+/// Go's `strconv.ParseBool`, which ceph-csi reads `encrypted` with.
+fn go_bool(key: &str, v: &str) -> Result<bool, ParamError> {
+    match v {
+        "1" | "t" | "T" | "TRUE" | "true" | "True" => Ok(true),
+        "0" | "f" | "F" | "FALSE" | "false" | "False" => Ok(false),
+        other => Err(ParamError::new(
+            key,
+            format!("{other:?} is not a boolean (true or false)"),
+        )),
+    }
+}
+
+/// The encryption parameters, ceph-csi's names: honoured, or refused by
+/// name saying why. Without `encrypted: "true"` the others are ignored, as
+/// ceph-csi ignores them.
+pub fn parse_encryption(
+    params: &BTreeMap<String, String>,
+) -> Result<Option<crate::volume::encryption::EncryptionParams>, ParamError> {
+    use crate::volume::encryption::{EncryptionParams, EncryptionType};
+    let on = match params.get(ENCRYPTED) {
+        None => false,
+        Some(v) => go_bool(ENCRYPTED, v.trim())?,
+    };
+    if !on {
+        return Ok(None);
+    }
+    let kind = match params.get(ENCRYPTION_TYPE).map(|v| v.trim()) {
+        None | Some("block") => EncryptionType::Block,
+        Some("") => return Err(ParamError::new(ENCRYPTION_TYPE, "is empty; use \"block\"")),
+        Some("file") => {
+            return Err(ParamError::new(
+                ENCRYPTION_TYPE,
+                "\"file\" (fscrypt) is not supported by rbdkit: ceph-csi keeps its fscrypt \
+                 policy and protector in the filesystem under a directory the node must unlock \
+                 at each stage with the google/fscrypt library's metadata format, which rbdkit \
+                 does not implement; use \"block\" (LUKS2)",
+            ))
+        }
+        Some(other) => {
+            return Err(ParamError::new(
+                ENCRYPTION_TYPE,
+                format!("{other:?} is not an encryption type; use \"block\""),
+            ))
+        }
+    };
+    let kms_id = match params.get(ENCRYPTION_KMS_ID).map(|v| v.trim()) {
+        None | Some("") => crate::volume::kms::DEFAULT_KMS_ID.to_owned(),
+        Some(id) => {
+            if id.contains(['\0', '\n']) {
+                return Err(ParamError::new(ENCRYPTION_KMS_ID, "holds a NUL or newline"));
+            }
+            id.to_owned()
+        }
+    };
+    if let Some(c) = params.get(ENCRYPTION_CIPHER).map(|v| v.trim()) {
+        if c != "aes-xts-plain64" {
+            return Err(ParamError::new(
+                ENCRYPTION_CIPHER,
+                format!(
+                    "{c:?} is not supported: rbdkit-fuse decrypts in its own data path, which \
+                     serves aes-xts-plain64 only (the same format krbd opens with dm-crypt)"
+                ),
+            ));
+        }
+    }
+    let key_size = match params.get(ENCRYPTION_KEY_SIZE).map(|v| v.trim()) {
+        None | Some("512") => 64,
+        Some("256") => 32,
+        Some(other) => {
+            return Err(ParamError::new(
+                ENCRYPTION_KEY_SIZE,
+                format!("{other:?} is not 256 or 512 (bits of the aes-xts key)"),
+            ))
+        }
+    };
+    let sector_size = match params.get(ENCRYPTION_SECTOR_SIZE).map(|v| v.trim()) {
+        None => 4096,
+        Some(v) => match v.parse::<u32>() {
+            Ok(n @ (512 | 1024 | 2048 | 4096)) => n,
+            _ => {
+                return Err(ParamError::new(
+                    ENCRYPTION_SECTOR_SIZE,
+                    format!("{v:?} is not 512, 1024, 2048 or 4096"),
+                ))
+            }
+        },
+    };
+    if let Some(m) = params.get(INTEGRITY_MODE) {
+        return Err(ParamError::new(
+            INTEGRITY_MODE,
+            format!(
+                "{:?} is not supported: authenticated encryption (dm-integrity) keeps a tag per \
+                 sector that rbdkit-fuse's data path does not write, and such a volume cannot \
+                 be resized",
+                m.trim()
+            ),
+        ));
+    }
+    Ok(Some(EncryptionParams {
+        kms_id,
+        kind,
+        sector_size,
+        key_size,
+    }))
 }
 
 /// `krbd:a,b=1;rbdkit-fuse:c` or a bare `a,b`: each part names a known
@@ -629,6 +757,13 @@ impl ClassParams {
             SOFT_MAX_CLONE_DEPTH,
             HARD_MAX_CLONE_DEPTH,
             crate::volume::topology::TOPOLOGY_CONSTRAINED_POOLS,
+            ENCRYPTED,
+            ENCRYPTION_KMS_ID,
+            ENCRYPTION_TYPE,
+            ENCRYPTION_CIPHER,
+            ENCRYPTION_KEY_SIZE,
+            ENCRYPTION_SECTOR_SIZE,
+            INTEGRITY_MODE,
         ];
         let known = |k: &str| {
             KNOWN.contains(&k)
@@ -844,6 +979,7 @@ impl ClassParams {
                     .map_or("", String::as_str),
             )?,
             qos: crate::volume::qos::Policy::from_class(params)?,
+            encryption: parse_encryption(params)?,
         })
     }
 
@@ -1392,8 +1528,7 @@ mod tests {
         // Those that would change the volume and are not implemented are
         // refused, naming the parameter.
         for (k, v) in [
-            ("encrypted", "true"),
-            ("encryptionKMSID", "vault"),
+            ("encrypted", "yes"),
             ("thickProvision", "true"),
             ("topologyConstrainedPools", r#"[{"pool": "x"}]"#),
             ("BaseReadIops", "0"),
@@ -1422,6 +1557,82 @@ mod tests {
         ]))
         .unwrap();
         assert_eq!(p.journal_pool.as_deref(), Some("journals"));
+    }
+
+    #[test]
+    fn encryption_parameters_are_honoured_or_refused_by_name() {
+        use crate::volume::encryption::EncryptionType;
+        let p = ClassParams::parse(&params(&[("encrypted", "true")])).unwrap();
+        let e = p.encryption.clone().unwrap();
+        assert_eq!(e.kms_id, "default");
+        assert_eq!(e.kind, EncryptionType::Block);
+        assert_eq!((e.sector_size, e.key_size), (4096, 64));
+        let attrs: BTreeMap<_, _> = p.node.attributes().into_iter().collect();
+        assert_eq!(attrs[ENCRYPTED], "true");
+        assert_eq!(attrs[ENCRYPTION_KMS_ID], "default");
+        let p = ClassParams::parse(&params(&[
+            ("encrypted", "True"),
+            (ENCRYPTION_TYPE, "block"),
+            (ENCRYPTION_KMS_ID, "secrets-metadata-test"),
+            (ENCRYPTION_CIPHER, "aes-xts-plain64"),
+            (ENCRYPTION_KEY_SIZE, "256"),
+            (ENCRYPTION_SECTOR_SIZE, "512"),
+        ]))
+        .unwrap();
+        let e = p.encryption.unwrap();
+        assert_eq!(e.kms_id, "secrets-metadata-test");
+        assert_eq!((e.sector_size, e.key_size), (512, 32));
+        assert_eq!(
+            p.node.encryption_kms.as_deref(),
+            Some("secrets-metadata-test")
+        );
+        // Go's booleans; the others are ignored without encryption, as in
+        // ceph-csi.
+        for off in ["false", "0", "F"] {
+            let p = ClassParams::parse(&params(&[
+                ("encrypted", off),
+                (ENCRYPTION_KMS_ID, "x"),
+                (ENCRYPTION_TYPE, "file"),
+            ]))
+            .unwrap();
+            assert!(p.encryption.is_none() && p.node.encryption_kms.is_none());
+        }
+        for (k, v, says) in [
+            ("encrypted", "yes", "not a boolean"),
+            (ENCRYPTION_TYPE, "file", "fscrypt"),
+            (ENCRYPTION_TYPE, "", "empty"),
+            (ENCRYPTION_TYPE, "disk", "not an encryption type"),
+            (
+                ENCRYPTION_CIPHER,
+                "serpent-xts-plain64",
+                "aes-xts-plain64 only",
+            ),
+            (ENCRYPTION_KEY_SIZE, "384", "256 or 512"),
+            (ENCRYPTION_SECTOR_SIZE, "8192", "512, 1024, 2048 or 4096"),
+            (INTEGRITY_MODE, "hmac-sha256", "dm-integrity"),
+        ] {
+            let mut m = params(&[("encrypted", "true")]);
+            m.insert(k.to_owned(), v.to_owned());
+            let e = ClassParams::parse(&m).unwrap_err();
+            assert_eq!(e.param, k, "{k}={v}: {e}");
+            assert!(e.why.contains(says), "{k}={v}: {e}");
+        }
+        // The node reads them back from the volume context.
+        let ctx: BTreeMap<String, String> = [
+            (ENCRYPTED, "true"),
+            (ENCRYPTION_TYPE, "block"),
+            (ENCRYPTION_KMS_ID, "meta"),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        assert_eq!(
+            NodeParams::from_context(&ctx)
+                .unwrap()
+                .encryption_kms
+                .as_deref(),
+            Some("meta")
+        );
     }
 
     #[test]

@@ -60,6 +60,8 @@ use crate::rados::{Cluster, IoCtx};
 use crate::rbd::{
     self, Features, Image, ImageOptions, LinkedImage, ParentInfo, SnapInfo, SnapNamespaceType,
 };
+use crate::volume::encryption::{self, NewEncryption};
+use crate::volume::kms::{META_KEY_ID, META_KMS_ID};
 use crate::volume::ops::{
     check_owner, contradicts, fenced, finish_cut_short_rename, has_snapshots_or_children, ioctx,
     open_if_exists, purge, timed, Deleted, Owner, VolumeError, META_CLUSTER, META_PROVISIONER,
@@ -138,6 +140,11 @@ pub struct CloneOptions {
     /// Asked before each destructive step of a volume clone (the
     /// provisioner's lease); [`NoFence`] by default.
     pub fence: std::sync::Arc<dyn Fence>,
+    /// The new volume's class encryption, with the request's KMS keys
+    /// (which also read the source's passphrase); `None` for a class
+    /// without encryption. An encrypted source into a class without it, or
+    /// the reverse, is refused by name.
+    pub encryption: Option<NewEncryption>,
 }
 
 impl std::fmt::Debug for CloneOptions {
@@ -157,6 +164,7 @@ impl Default for CloneOptions {
             flatten_timeout: Duration::from_secs(120),
             stop_after: None,
             fence: std::sync::Arc::new(NoFence),
+            encryption: None,
         }
     }
 }
@@ -631,9 +639,27 @@ pub fn ensure_snapshot_fenced(
                     image: source.to_string(),
                 }
             })?;
-            check_volume(&meta(&src, metrics)?, &owner.provisioner, &source.image)?;
+            let src_meta = meta(&src, metrics)?;
+            check_volume(&src_meta, &owner.provisioner, &source.image)?;
             let features = timed(metrics, "features", || src.features())?;
             drop(src);
+            let mut job_meta = vec![
+                (META_PROVISIONER, owner.provisioner.clone()),
+                (META_KIND, KIND_SNAPSHOT.to_owned()),
+                (META_SNAPSHOT, owner.snapshot_name.clone()),
+                (META_SOURCE, want.clone()),
+                (META_CLUSTER, owner.cluster_id.clone()),
+                (META_SNAPSHOT_NAMESPACE, owner.snapshot_namespace.clone()),
+                (META_SNAPSHOT_OBJECT, owner.snapshot_object.clone()),
+            ];
+            // An encrypted source's passphrase record comes with the
+            // clone's metadata; it stays valid under the source's key id
+            // (the scrypt salt of the metadata KMS), recorded here, so a
+            // snapshot needs no KMS keys of its own.
+            if encryption::state_of(&src_meta, &source.image)?.encrypted() {
+                job_meta.push((META_KMS_ID, encryption::kms_id_of(&src_meta)));
+                job_meta.push((META_KEY_ID, encryption::key_id_of(&src_meta, &want)));
+            }
             let job = CloneJob {
                 io: &io,
                 parent: &source.image,
@@ -641,15 +667,7 @@ pub fn ensure_snapshot_fenced(
                 temp_snap: true,
                 name: image,
                 provisioner: &owner.provisioner,
-                meta: vec![
-                    (META_PROVISIONER, owner.provisioner.clone()),
-                    (META_KIND, KIND_SNAPSHOT.to_owned()),
-                    (META_SNAPSHOT, owner.snapshot_name.clone()),
-                    (META_SOURCE, want.clone()),
-                    (META_CLUSTER, owner.cluster_id.clone()),
-                    (META_SNAPSHOT_NAMESPACE, owner.snapshot_namespace.clone()),
-                    (META_SNAPSHOT_OBJECT, owner.snapshot_object.clone()),
-                ],
+                meta: job_meta,
                 size: 0,
                 options: clone_options(&ImageOptions::new(), features)?,
             };
@@ -1331,7 +1349,14 @@ fn ensure_clone(
     match open_if_exists(&io, metrics, &vol.image)? {
         Some(img) => {
             check_owner(&img, metrics, &owner.provisioner, &owner.pv_name)?;
-            check_source(&meta(&img, metrics)?, &vol.image, &want)?;
+            let m = meta(&img, metrics)?;
+            check_source(&m, &vol.image, &want)?;
+            if encryption::state_of(&m, &vol.image)?.encrypted() != opts.encryption.is_some() {
+                return Err(VolumeError::Conflict {
+                    image: vol.image.clone(),
+                    why: "it exists, but its encryption is not what the class asks for".into(),
+                });
+            }
             let id = timed(metrics, "id", || img.id())?;
             drop(img);
             finish_cut_short_rename(&io, metrics, &*opts.fence, &vol.image, &id)?;
@@ -1339,9 +1364,33 @@ fn ensure_clone(
         None => {
             let p = open_if_exists(&io, metrics, &parent_image.image)?
                 .ok_or_else(|| parent.missing())?;
+            let parent_meta = meta(&p, metrics)?;
+            let parent_state = encryption::state_of(&parent_meta, &parent_image.image)?;
+            let what = match parent {
+                Parent::Snapshot(s) => format!("snapshot {s}"),
+                Parent::Volume(v) => format!("volume {v}"),
+            };
+            encryption::check_compatible(
+                &what,
+                parent_state,
+                &encryption::kms_id_of(&parent_meta),
+                opts.encryption.as_ref().map(|e| e.params.kms_id.as_str()),
+            )
+            .map_err(|why| VolumeError::Refused { why })?;
+            let crypt_meta = match &opts.encryption {
+                Some(e) => encryption::clone_metadata(
+                    &parent_meta,
+                    &parent.handle(),
+                    &parent_image.image,
+                    &vol.handle(),
+                    &e.params.kms_id,
+                    &e.keys,
+                )?,
+                None => Vec::new(),
+            };
             let (parent_size, parent_snap, temp_snap) = match parent {
                 Parent::Snapshot(snap) => {
-                    check_snapshot(&meta(&p, metrics)?, &owner.provisioner, None, &snap.image)?;
+                    check_snapshot(&parent_meta, &owner.provisioner, None, &snap.image)?;
                     let snaps = timed(metrics, "snap_list", || p.snap_list())?;
                     let info = snaps
                         .iter()
@@ -1350,7 +1399,7 @@ fn ensure_clone(
                     (info.size, snap.snap.clone(), false)
                 }
                 Parent::Volume(source) => {
-                    check_volume(&meta(&p, metrics)?, &owner.provisioner, &source.image)?;
+                    check_volume(&parent_meta, &owner.provisioner, &source.image)?;
                     let src_size = timed(metrics, "size", || p.size())?;
                     (src_size, temp_snap_name(&vol.image), true)
                 }
@@ -1370,6 +1419,7 @@ fn ensure_clone(
                 .map(|(k, v)| (*k, (*v).to_owned()))
                 .collect();
             m.push((META_SOURCE, want.clone()));
+            m.extend(crypt_meta);
             let job = CloneJob {
                 io: &io,
                 parent: &parent_image.image,

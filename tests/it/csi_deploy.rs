@@ -21,7 +21,7 @@ use serde_json::Value;
 use rbdkit::csi::{CsiArgs, Mode};
 use rbdkit::node::fuse_daemon::FuseMapperArgs;
 use support::k8s::ControlPlane;
-use support::manifests::{manifests, one};
+use support::manifests::{manifests, named, one, CLUSTERS_CONFIGMAP};
 
 #[derive(Parser)]
 struct CsiOnly {
@@ -209,7 +209,7 @@ fn node_daemonset_gives_the_node_plugin_what_it_needs() {
     let config_path = path_str(&args.clusters_config);
     let (m, v) = mount_at(&pod, csi, parent(config_path));
     assert_eq!(m.read_only, Some(true));
-    let configmap: ConfigMap = one(&docs, "ConfigMap");
+    let configmap: ConfigMap = named(&docs, "ConfigMap", CLUSTERS_CONFIGMAP);
     assert_eq!(
         v.config_map.as_ref().unwrap().name,
         configmap.metadata.name.unwrap()

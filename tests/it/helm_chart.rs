@@ -12,7 +12,7 @@ use k8s_openapi::api::storage::v1::CSIDriver;
 use serde_json::{json, Value};
 
 use rbdkit::volume::clusters::ClustersConfig;
-use support::manifests::{helm, helm_template, install_manifests, one};
+use support::manifests::{helm, helm_template, install_manifests, named, one, CLUSTERS_CONFIGMAP};
 
 /// Objects by "kind namespace/name", with the JSON text of ConfigMap data
 /// parsed (the chart writes config.json with its own indentation).
@@ -151,7 +151,7 @@ fn values_change_what_they_name() {
     let driver: CSIDriver = one(&docs, "CSIDriver");
     assert_eq!(driver.metadata.name.as_deref(), Some("block.example.io"));
 
-    let cm: ConfigMap = one(&docs, "ConfigMap");
+    let cm: ConfigMap = named(&docs, "ConfigMap", CLUSTERS_CONFIGMAP);
     let text = &cm.data.unwrap()["config.json"];
     let parsed: Value = serde_json::from_str(text).unwrap();
     assert_eq!(parsed, clusters);

@@ -24,6 +24,8 @@ const GUEST_TESTS: &[&str] = &[
     "kernel_vm::guest::krbd_one_writer_across_two_node_plugins",
     "kernel_vm::guest::krbd_refuses_image_features_the_kernel_lacks_by_name",
     "kernel_vm::guest::krbd_qos_limits_go_into_the_pods_cgroup_io_max",
+    "encryption::guest::krbd_stages_an_encrypted_volume_through_dm_crypt",
+    "encryption::guest::fuse_and_krbd_open_each_others_encrypted_volumes",
     "node_fuse::worker_kill9_with_writes_and_fsyncs_in_flight",
     "node_fuse::mounted_filesystem_survives_kill9_of_the_worker",
 ];

@@ -38,7 +38,7 @@ const BEFORE_WATCH_TIMEOUT: Duration = Duration::from_secs(25);
 
 /// A running `rbdkit fuse-mapper` with its own state dir and socket. Drop
 /// kills it and clears its loop devices and mounts, also after a failure.
-struct Daemon {
+pub(crate) struct Daemon {
     dir: PathBuf,
     child: Option<Child>,
     runs: u32,
@@ -56,7 +56,7 @@ struct Daemon {
 const HOLD_WRITES_ENV: &str = "RBDKIT_FUSE_TEST_HOLD_WRITES";
 
 impl Daemon {
-    fn start(dir: &Path) -> Daemon {
+    pub(crate) fn start(dir: &Path) -> Daemon {
         Daemon::start_with(dir, &[])
     }
 
@@ -85,7 +85,7 @@ impl Daemon {
         self.dir.join(format!("daemon-{run}.log"))
     }
 
-    fn mapper(&self) -> FuseMapper {
+    pub(crate) fn mapper(&self) -> FuseMapper {
         FuseMapper::new(self.socket())
     }
 
@@ -277,7 +277,7 @@ fn run(cmd: &str, args: &[&str]) {
     );
 }
 
-fn tempdir(test: &str) -> tempfile::TempDir {
+pub(crate) fn tempdir(test: &str) -> tempfile::TempDir {
     tempfile::Builder::new()
         .prefix(&format!("node-fuse-{test}-"))
         .tempdir_in(env!("CARGO_TARGET_TMPDIR"))
@@ -294,7 +294,7 @@ fn monitors() -> Vec<String> {
         .collect()
 }
 
-fn spec(ns: &TestNs, volume_id: &str, image: &str) -> MapSpec {
+pub(crate) fn spec(ns: &TestNs, volume_id: &str, image: &str) -> MapSpec {
     MapSpec {
         volume_id: volume_id.into(),
         monitors: monitors(),
@@ -309,6 +309,7 @@ fn spec(ns: &TestNs, volume_id: &str, image: &str) -> MapSpec {
         snapshot: None,
         read_only: false,
         options: Vec::new(),
+        encryption: None,
     }
 }
 
@@ -339,14 +340,14 @@ fn open_direct(dev: &Path, write: bool) -> File {
         .unwrap_or_else(|e| panic!("open {} O_DIRECT: {e}", dev.display()))
 }
 
-fn read_direct(dev: &Path, offset: u64, len: usize) -> std::io::Result<Vec<u8>> {
+pub(crate) fn read_direct(dev: &Path, offset: u64, len: usize) -> std::io::Result<Vec<u8>> {
     let f = open_direct(dev, false);
     let mut a = Aligned::new(len);
     f.read_exact_at(a.get(), offset)?;
     Ok(a.get().to_vec())
 }
 
-fn write_direct(dev: &Path, offset: u64, data: &[u8]) {
+pub(crate) fn write_direct(dev: &Path, offset: u64, data: &[u8]) {
     let f = open_direct(dev, true);
     let mut a = Aligned::new(data.len());
     a.get().copy_from_slice(data);
@@ -375,7 +376,7 @@ fn openers(dev: &Path) -> Vec<String> {
     out
 }
 
-fn device_size(dev: &Path) -> u64 {
+pub(crate) fn device_size(dev: &Path) -> u64 {
     let mut f = File::open(dev).unwrap();
     f.seek(SeekFrom::End(0)).unwrap()
 }
@@ -1040,7 +1041,7 @@ fn bad_map_options_are_refused_naming_the_option() {
         let r = d
             .mapper()
             .call(
-                &ControlRequest::Attach((&s).into()),
+                &ControlRequest::Attach(Box::new((&s).into())),
                 Duration::from_secs(30),
             )
             .unwrap();
@@ -1885,6 +1886,7 @@ fn private_spec(cluster: &support::ceph::PrivateCluster, volume_id: &str, image:
         snapshot: None,
         read_only: false,
         options: Vec::new(),
+        encryption: None,
     }
 }
 

@@ -22,7 +22,7 @@ use rbdkit::rbd::Image;
 use rbdkit::volume::clusters::ClustersConfig;
 use rbdkit::volume::params::ClassParams;
 
-use support::manifests::{manifests, one, typed};
+use support::manifests::{manifests, named, one, typed, CLUSTERS_CONFIGMAP};
 use support::provisioner::{eventually, Env, WAIT};
 
 #[derive(Parser)]
@@ -92,7 +92,7 @@ fn manifests_parse_and_agree_with_the_provisioner() {
         .iter()
         .find(|v| v.name == mount.name)
         .unwrap();
-    let configmap: ConfigMap = one(&docs, "ConfigMap");
+    let configmap: ConfigMap = named(&docs, "ConfigMap", CLUSTERS_CONFIGMAP);
     assert_eq!(
         volume.config_map.as_ref().unwrap().name,
         configmap.metadata.name.clone().unwrap()

@@ -73,6 +73,19 @@ pub fn one<T: DeserializeOwned>(docs: &[(String, Value)], kind: &str) -> T {
     typed(&found[0].0, &found[0].1)
 }
 
+/// The one document of `kind` named `name` in `docs`, typed.
+pub fn named<T: DeserializeOwned>(docs: &[(String, Value)], kind: &str, name: &str) -> T {
+    let found: Vec<&(String, Value)> = docs
+        .iter()
+        .filter(|(_, d)| d["kind"] == kind && d["metadata"]["name"] == name)
+        .collect();
+    assert_eq!(found.len(), 1, "expected one {kind} {name}");
+    typed(&found[0].0, &found[0].1)
+}
+
+/// The ConfigMap with the clusters config (deploy/ also has the KMS one).
+pub const CLUSTERS_CONFIGMAP: &str = "rbdkit-clusters";
+
 /// How long a helm run may take: the first one builds helm from its Go
 /// module (about 95 s on the 2-core machine; longer when it is busy).
 pub const HELM_TIMEOUT_SECS: u32 = 1800;

@@ -13,6 +13,8 @@ pub mod data;
 #[cfg(feature = "service")]
 pub mod k8s;
 #[cfg(feature = "service")]
+pub mod kms;
+#[cfg(feature = "service")]
 pub mod legacy;
 #[cfg(feature = "service")]
 pub mod manifests;

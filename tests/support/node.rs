@@ -389,6 +389,18 @@ impl NodePlugin {
         driver: &str,
         config: &Path,
     ) -> NodePlugin {
+        NodePlugin::start_with(node, client, driver, config, &[]).await
+    }
+
+    /// [`NodePlugin::start`] with more `rbdkit csi` flags (such as
+    /// `--kms-config`).
+    pub async fn start_with(
+        node: &Node,
+        client: &kube::Client,
+        driver: &str,
+        config: &Path,
+        extra: &[String],
+    ) -> NodePlugin {
         create_csidriver(client, driver).await;
         let dir = tempfile::Builder::new()
             .prefix("rbdkit-np-")
@@ -413,30 +425,32 @@ impl NodePlugin {
         let plugin_dir = node.kubelet_root.join("plugins").join(driver);
         std::fs::create_dir_all(&plugin_dir).expect("plugin dir");
         let socket = plugin_dir.join("csi.sock");
+        let mut csi_args: Vec<String> = vec![
+            "csi".into(),
+            "--mode".into(),
+            "node".into(),
+            "--driver-name".into(),
+            driver.into(),
+            "--node-id".into(),
+            node.name.clone(),
+            "--endpoint".into(),
+            format!("unix://{}", socket.display()),
+            "--clusters-config".into(),
+            config.display().to_string(),
+            "--mapper-socket".into(),
+            mapper_sock.display().to_string(),
+            "--state-dir".into(),
+            d.join("csi").display().to_string(),
+            "--default-mapper".into(),
+            "rbdkit-fuse".into(),
+            "--topology".into(),
+            format!("{TOPOLOGY_KEY}={}", node.name),
+        ];
+        csi_args.extend(extra.iter().cloned());
         let csi = Proc::spawn(
             "rbdkit csi --mode node",
             rbdkit,
-            vec![
-                "csi".into(),
-                "--mode".into(),
-                "node".into(),
-                "--driver-name".into(),
-                driver.into(),
-                "--node-id".into(),
-                node.name.clone(),
-                "--endpoint".into(),
-                format!("unix://{}", socket.display()),
-                "--clusters-config".into(),
-                config.display().to_string(),
-                "--mapper-socket".into(),
-                mapper_sock.display().to_string(),
-                "--state-dir".into(),
-                d.join("csi").display().to_string(),
-                "--default-mapper".into(),
-                "rbdkit-fuse".into(),
-                "--topology".into(),
-                format!("{TOPOLOGY_KEY}={}", node.name),
-            ],
+            csi_args,
             d.join("csi.log"),
         );
         let registrar = Proc::spawn(

@@ -65,6 +65,13 @@ fn pattern(len: usize) -> Vec<u8> {
 /// shared image, which is what a synchronous binding (go-ceph) must do.
 pub fn data(args: &Args, ioctx: &IoCtx, out: &mut Object) -> Result<(), BoxError> {
     let image = Image::open(ioctx, args.get("image")?)?;
+    // `--luks-passphrase-file`: librbd's own LUKS2 data path
+    // (rbd_encryption_load), which `rbd bench` of no release offers.
+    let luks = args.get_or("luks-passphrase-file", "");
+    if !luks.is_empty() {
+        let pass = std::fs::read(luks)?;
+        image.encryption_load(rbdkit::rbd::EncryptionFormat::Luks2, &pass)?;
+    }
     // As `rbd bench` does before it starts: a first flush switches librbd's
     // cache from write-through to write-back (rbd_cache_writethrough_until_flush).
     image.flush()?;

@@ -9,7 +9,7 @@
 //! rbdkit-bench control     --conf C --pool P --prefix X --cycles N --size B
 //! rbdkit-bench concurrency --conf C --pool P --prefix X --threads T --images M --size B
 //! rbdkit-bench data        --conf C --pool P --image I --workload W --bs B --qd Q --ops N
-//!                          [--engine aio|sync]
+//!                          [--engine aio|sync] [--luks-passphrase-file F]
 //! ```
 //!
 //! See `bench/README.md` for what each mode measures.
