@@ -1045,6 +1045,9 @@ def main():
         if set(sections) & {"control", "concurrency", "data"}:
             rbdkit_bin = build_rbdkit(args.smoke)
             goceph_bin = build_goceph()
+        elif "node" in sections:
+            # The node group's librbd contenders (plain and LUKS2).
+            rbdkit_bin = build_rbdkit(args.smoke)
         if "node" in sections:
             mapper_bin = build_mapper(args.smoke)
         if set(sections) & K8S_SECTIONS:
