@@ -191,14 +191,25 @@ async fn bad_requests_name_the_problem_and_create_nothing() {
             "imagefeatures",
         ),
         (
-            "encrypted",
+            "encrypted without a passphrase in the Secret",
             {
                 let mut r = base();
                 r.parameters.insert("encrypted".into(), "true".into());
                 r
             },
             Code::InvalidArgument,
-            "encrypted",
+            "encryptionPassphrase",
+        ),
+        (
+            "file encryption",
+            {
+                let mut r = base();
+                r.parameters.insert("encrypted".into(), "true".into());
+                r.parameters.insert("encryptionType".into(), "file".into());
+                r
+            },
+            Code::InvalidArgument,
+            "encryptionType",
         ),
         (
             "unknown cluster",

@@ -147,9 +147,14 @@ fn cases(quota_pool: &'static str) -> Vec<Case> {
             &["imageFormat", "only format"],
         ),
         case(
-            "encrypted",
-            json!({"encrypted": "true"}),
-            &["encrypted", "not supported"],
+            "encrypted-file",
+            json!({"encrypted": "true", "encryptionType": "file"}),
+            &["encryptionType", "fscrypt", "not supported"],
+        ),
+        case(
+            "encrypted-cipher",
+            json!({"encrypted": "true", "encryptionCipher": "serpent"}),
+            &["encryptionCipher", "serpent"],
         ),
         case(
             "thick",
