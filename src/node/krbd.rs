@@ -17,8 +17,9 @@
 //! never taken for the head, whoever made it.
 //!
 //! The sysfs and /dev roots are configurable so that the tests run against
-//! a fake tree: the machine this is developed on has no rbd kernel module,
-//! so this mapper is tested against a fake sysfs only.
+//! a fake tree: the machine this is developed on has no rbd kernel module.
+//! The real one is tested in a QEMU guest with Debian's kernel
+//! (`tests/it/kernel_vm.rs`).
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -458,6 +459,30 @@ fn validate(spec: &MapSpec, object: &str) -> Result<()> {
     Ok(())
 }
 
+/// Refuses map options the image's `features` cannot take, by name: the
+/// kernel answers `exclusive` or `lock_on_read` on an image without
+/// exclusive-lock with a bare EINVAL.
+fn check_option_features(spec: &MapSpec, features: Features) -> Result<()> {
+    if features.contains(Features::EXCLUSIVE_LOCK) {
+        return Ok(());
+    }
+    match spec
+        .options
+        .iter()
+        .find(|o| *o == "exclusive" || *o == "lock_on_read")
+    {
+        Some(o) => Err(Error::invalid(
+            "krbd map",
+            image_spec(&spec.pool, &spec.namespace, &spec.image, None),
+            format!(
+                "map option {o:?} needs the image feature exclusive-lock, which the image \
+                 lacks; add exclusive-lock to imageFeatures or drop the option"
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// The string for `/sys/bus/rbd/add_single_major`:
 /// `<mon1,mon2> name=<user>,<auth>[,_pool_ns=<ns>][,<options>][,read_only]
 /// <pool> <image> <snap or ->`.
@@ -559,6 +584,7 @@ impl Mapper for KrbdMapper {
     fn map(&self, spec: &MapSpec) -> Result<PathBuf> {
         if let Some(f) = spec.features {
             self.check_features(f)?;
+            check_option_features(spec, f)?;
         }
         let mut remembered = self.lock.lock().unwrap_or_else(|p| p.into_inner());
         self.do_map(spec, &mut remembered)
@@ -1040,6 +1066,33 @@ mod tests {
         assert_eq!(
             add,
             b"10.0.0.1:6789,10.0.0.2:6789 name=admin,key=client.admin rbd vol-1 -"
+        );
+    }
+
+    #[test]
+    fn exclusive_and_lock_on_read_need_the_exclusive_lock_feature() {
+        let fake = Fake::new(true);
+        let mapper = fake.mapper();
+        let mut s = spec("admin");
+        s.options = vec!["exclusive".into()];
+        s.features = Some(Features::LAYERING);
+        let e = mapper.map(&s).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        let msg = e.to_string();
+        assert!(
+            msg.contains("\"exclusive\"") && msg.contains("exclusive-lock"),
+            "{msg}"
+        );
+        s.options = vec!["queue_depth=64".into(), "lock_on_read".into()];
+        let msg = mapper.map(&s).unwrap_err().to_string();
+        assert!(
+            msg.contains("\"lock_on_read\"") && msg.contains("exclusive-lock"),
+            "{msg}"
+        );
+        // Refused before anything reached the kernel.
+        assert_eq!(
+            std::fs::read_to_string(fake.bus().join("add_single_major")).unwrap(),
+            ""
         );
     }
 

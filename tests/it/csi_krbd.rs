@@ -197,7 +197,7 @@ async fn krbd_maps_and_unmaps_through_sysfs_strings() {
     req.volume_context.insert("mounter".into(), "rbd".into());
     req.volume_context.insert(
         "mapOptions".into(),
-        "krbd:lock_on_read,queue_depth=128;nbd:try-netlink".into(),
+        "krbd:alloc_size=65536,queue_depth=128;nbd:try-netlink".into(),
     );
     req.volume_context
         .insert("unmapOptions".into(), "krbd:force".into());
@@ -282,7 +282,7 @@ async fn krbd_maps_and_unmaps_through_sysfs_strings() {
         add[1]
     );
     assert!(
-        opts.contains(&"lock_on_read") && opts.contains(&"queue_depth=128"),
+        opts.contains(&"alloc_size=65536") && opts.contains(&"queue_depth=128"),
         "{}",
         add[1]
     );

@@ -6,22 +6,35 @@
 //!
 //! [`debian_6_1_guest`] boots the guest once and runs this same test binary
 //! in it, with the tests of [`GUEST_TESTS`]: the [`guest`] module's tests
-//! (ignored on the host, where there is no rbd driver) and the userspace
-//! mapper's worker-restart tests of `node_fuse.rs`, as they are.
+//! (ignored on the host, where there is no rbd driver), rbd-nbd measured
+//! beside rbdkit-fuse ([`peers`]), the userspace mapper's worker-restart
+//! tests of `node_fuse.rs`, as they are, and `encryption.rs`'s dm-crypt
+//! tests. Every krbd path `csi_krbd.rs`'s fake sysfs covers is covered here
+//! on the real kernel too.
 
 use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+mod peers;
+
 /// What the guest runs, in this order (one vCPU: one at a time).
 const GUEST_TESTS: &[&str] = &[
     "kernel_vm::guest::krbd_stage_publish_unpublish_unstage_ext4_and_xfs",
     "kernel_vm::guest::krbd_kill9_of_the_node_plugin_leaves_mapping_and_mount",
     "kernel_vm::guest::krbd_online_expansion_of_ext4_and_xfs",
+    "kernel_vm::guest::krbd_block_volume_grows_online",
     "kernel_vm::guest::krbd_ms_mode_crc_on_the_v2_port_and_map_options",
     "kernel_vm::guest::krbd_probe_is_ready_with_krbd_the_default",
     "kernel_vm::guest::krbd_one_writer_across_two_node_plugins",
+    "kernel_vm::guest::krbd_exclusive_map_option_keeps_a_second_writer_out",
+    "kernel_vm::guest::krbd_what_the_fake_sysfs_test_covers_on_the_real_kernel",
+    "kernel_vm::guest::krbd_inline_secret_where_the_kernel_keyring_is_unavailable",
+    "kernel_vm::guest::krbd_takes_the_read_affinity_options",
+    "kernel_vm::guest::krbd_read_from_replica_with_crush_location",
+    "kernel_vm::peers::rbd_nbd_lifecycle_map_mkfs_mount_write_read_grow_unmap",
+    "kernel_vm::peers::rbd_nbd_and_rbdkit_fuse_kill9_side_by_side",
     "kernel_vm::guest::krbd_refuses_image_features_the_kernel_lacks_by_name",
     "kernel_vm::guest::krbd_qos_limits_go_into_the_pods_cgroup_io_max",
     "encryption::guest::krbd_stages_an_encrypted_volume_through_dm_crypt",
@@ -161,7 +174,7 @@ mod guest {
     const SYS_RBD: &str = "/sys/bus/rbd";
 
     /// Panics unless this runs in the kernel guest.
-    fn require_guest() {
+    pub(super) fn require_guest() {
         assert!(
             std::env::var_os("RBDKIT_IN_GUEST").is_some(),
             "this test needs the kernel guest: kernel_vm::debian_6_1_guest runs it there"
@@ -173,7 +186,7 @@ mod guest {
     }
 
     /// The mon's v1 address as the kernel takes it (`ip:port`, no `v1:`).
-    fn mon_v1() -> String {
+    pub(super) fn mon_v1() -> String {
         let host = TestCluster::get().conf_value("mon host").expect("mon host");
         host.trim_start_matches("v1:").to_owned()
     }
@@ -244,8 +257,18 @@ mod guest {
 
     /// `rbdkit csi --mode node` as node `node_id`, its files under `dir`.
     fn spawn_node(dir: &Path, node_id: &str, config: &Path) -> (Proc, PathBuf) {
+        spawn_node_with(dir, node_id, config, &[])
+    }
+
+    /// [`spawn_node`] with more arguments.
+    fn spawn_node_with(
+        dir: &Path,
+        node_id: &str,
+        config: &Path,
+        extra: &[&str],
+    ) -> (Proc, PathBuf) {
         let socket = dir.join(format!("csi-{node_id}.sock"));
-        let args = vec![
+        let mut args: Vec<String> = vec![
             "csi".into(),
             "--mode".into(),
             "node".into(),
@@ -260,6 +283,7 @@ mod guest {
             "--mapper-socket".into(),
             dir.join("mapper.sock").display().to_string(),
         ];
+        args.extend(extra.iter().map(|a| a.to_string()));
         let log = dir.join(format!("csi-{node_id}.log"));
         (
             Proc::rbdkit(&format!("rbdkit csi {node_id}"), args, log),
@@ -402,6 +426,53 @@ mod guest {
                 })
                 .await
                 .unwrap_or_else(|e| panic!("DeleteVolume: {e}"));
+        }
+
+        /// The one krbd device of this world.
+        /// Creates a volume with StorageClass parameters `extra` too.
+        async fn create_with(
+            &self,
+            name: &str,
+            bytes: i64,
+            cap: VolumeCapability,
+            extra: &[(&str, &str)],
+        ) -> String {
+            let mut params = self.ctl.params();
+            params.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+            self.ctl
+                .controller()
+                .await
+                .create_volume(CreateVolumeRequest {
+                    name: name.into(),
+                    capacity_range: Some(CapacityRange {
+                        required_bytes: bytes,
+                        limit_bytes: 0,
+                    }),
+                    volume_capabilities: vec![cap],
+                    parameters: params,
+                    secrets: self.ctl.secrets(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap_or_else(|e| panic!("CreateVolume {name}: {e}"))
+                .into_inner()
+                .volume
+                .unwrap()
+                .volume_id
+        }
+
+        async fn stage_err(
+            &self,
+            id: &str,
+            staging: &Path,
+            cap: VolumeCapability,
+            ctx: &[(&str, &str)],
+        ) -> tonic::Status {
+            self.node()
+                .await
+                .node_stage_volume(self.stage_req(id, staging, cap, ctx))
+                .await
+                .expect_err("NodeStageVolume succeeded")
         }
 
         /// The one krbd device of this world.
@@ -880,5 +951,554 @@ mod guest {
         assert!(devices_in(&w.ns.name).is_empty());
         other.kill9();
         w.delete(&id).await;
+    }
+
+    async fn expand(w: &World, id: &str, staging: &Path, path: &Path, to: i64) -> i64 {
+        let range = Some(CapacityRange {
+            required_bytes: to,
+            limit_bytes: 0,
+        });
+        w.ctl
+            .controller()
+            .await
+            .controller_expand_volume(ControllerExpandVolumeRequest {
+                volume_id: id.to_owned(),
+                capacity_range: range,
+                secrets: w.ctl.secrets(),
+                volume_capability: Some(block_cap()),
+            })
+            .await
+            .unwrap();
+        w.node()
+            .await
+            .node_expand_volume(NodeExpandVolumeRequest {
+                volume_id: id.to_owned(),
+                volume_path: path.display().to_string(),
+                capacity_range: range,
+                staging_target_path: staging.display().to_string(),
+                volume_capability: Some(block_cap()),
+                secrets: Default::default(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("NodeExpandVolume: {e}\n{}", w.node.log_tail(30)))
+            .into_inner()
+            .capacity_bytes
+    }
+
+    /// A Block volume grows while published: ControllerExpandVolume, then
+    /// NodeExpandVolume on the published device file; the pod's device has
+    /// the new size and takes data at its new end, the old data kept.
+    #[tokio::test(flavor = "multi_thread")]
+    #[ignore = "needs the kernel guest: kernel_vm::debian_6_1_guest runs it there"]
+    async fn krbd_block_volume_grows_online() {
+        let w = World::new("kvm-bgrow", mon_v1()).await;
+        let (from, to) = (32 * MIB, 96 * MIB);
+        let id = w.ctl.create_volume("pvc-bgrow", from, block_cap()).await;
+        let (staging, target) = w.paths("bg");
+        w.stage(&id, &staging, block_cap(), &[]).await;
+        w.publish(&id, &staging, &target, block_cap()).await;
+        let head = support::data::pattern(11, 1 << 20);
+        support::data::direct_write(&target, 1 << 20, &head);
+        assert_eq!(rbdkit::node::fs::device_size(&target).unwrap(), from as u64);
+        assert_eq!(expand(&w, &id, &staging, &target, to).await, to);
+        assert_eq!(sys_attr(&w.device(), "size"), to.to_string());
+        assert_eq!(
+            rbdkit::node::fs::device_size(&target).unwrap(),
+            to as u64,
+            "the published device did not grow"
+        );
+        let tail = support::data::pattern(12, 1 << 20);
+        let at = (to - 2 * MIB) as u64;
+        support::data::direct_write(&target, at, &tail);
+        assert!(support::data::direct_read(&target, at, tail.len()) == tail);
+        assert!(support::data::direct_read(&target, 1 << 20, head.len()) == head);
+        // Repeated (kubelet retries): the same answer, nothing else done.
+        assert_eq!(expand(&w, &id, &staging, &target, to).await, to);
+        w.unpublish(&id, &target).await;
+        w.unstage(&id, &staging).await;
+        assert!(devices_in(&w.ns.name).is_empty());
+        w.delete(&id).await;
+    }
+
+    /// A librbd client of the image (rbdkit-fuse, rbd-nbd and the rbd CLI
+    /// are ones) writes a 4 KiB block at 0, bounded.
+    async fn librbd_write(ns: &TestNs, image: &str) -> Result<(), rbdkit::Error> {
+        let io = ns.ioctx.clone();
+        let image = image.to_owned();
+        tokio::time::timeout(
+            Duration::from_secs(120),
+            tokio::task::spawn_blocking(move || {
+                let img = rbdkit::rbd::Image::open(&io, &image)?;
+                img.write(0, &[7u8; 4096])?;
+                img.flush()
+            }),
+        )
+        .await
+        .expect("a librbd write still waiting after 120 s")
+        .unwrap()
+    }
+
+    /// `mapOptions: krbd:exclusive`: the kernel takes the image's
+    /// exclusive lock at map time and does not hand it over, so a second
+    /// writer is refused while the volume is staged: librbd (as rbdkit-fuse,
+    /// rbd-nbd and the rbd CLI are) with EROFS, and so is a second krbd
+    /// mapping ("peer will not release lock"); without the option the kernel
+    /// hands the lock over on request. On an image without the
+    /// exclusive-lock feature the option is refused by name before the map.
+    #[tokio::test(flavor = "multi_thread")]
+    #[ignore = "needs the kernel guest: kernel_vm::debian_6_1_guest runs it there"]
+    async fn krbd_exclusive_map_option_keeps_a_second_writer_out() {
+        let w = World::new("kvm-excl", mon_v1()).await;
+        let ctx = [("mapOptions", "krbd:exclusive")];
+        // No exclusive-lock (the default features): refused, nothing mapped.
+        let plain = w
+            .ctl
+            .create_volume("pvc-nolock", 32 * MIB, block_cap())
+            .await;
+        let (staging, target) = w.paths("n");
+        let err = w.stage_err(&plain, &staging, block_cap(), &ctx).await;
+        eprintln!(
+            "exclusive without exclusive-lock: {:?}: {}",
+            err.code(),
+            err.message()
+        );
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+        assert!(
+            err.message().contains("exclusive-lock") && err.message().contains("exclusive"),
+            "{err}"
+        );
+        assert!(devices_in(&w.ns.name).is_empty(), "a refused stage mapped");
+        w.delete(&plain).await;
+
+        let id = w
+            .create_with(
+                "pvc-excl",
+                32 * MIB,
+                block_cap(),
+                &[("imageFeatures", "layering,exclusive-lock")],
+            )
+            .await;
+        let image = rbdkit::volume::VolumeId::parse(&id).unwrap().image;
+        w.stage(&id, &staging, block_cap(), &ctx).await;
+        let dev = w.device();
+        assert!(
+            sys_attr(&dev, "config_info")
+                .split_whitespace()
+                .nth(1)
+                .is_some_and(|opts| opts.split(',').any(|o| o == "exclusive")),
+            "exclusive not among rbd{}'s options",
+            dev.id
+        );
+        w.publish(&id, &staging, &target, block_cap()).await;
+        let data = support::data::pattern(21, 64 << 10);
+        support::data::direct_write(&target, 0, &data);
+        let t0 = Instant::now();
+        let err = librbd_write(&w.ns, &image)
+            .await
+            .expect_err("a librbd write while krbd holds the lock with exclusive");
+        eprintln!(
+            "librbd write under krbd:exclusive: {err} after {:?}",
+            t0.elapsed()
+        );
+        assert_eq!(err.errno(), libc::EROFS, "{err}");
+        // A second krbd mapping (another node's, had it no stage lock):
+        // the kernel takes the lock at map time, is refused, and the map
+        // fails.
+        let add = format!(
+            "{} name={user},secret={key},_pool_ns={ns} rbd {image} -",
+            mon_v1(),
+            user = support::ceph::NODE_USER,
+            key = support::ceph::node_key(),
+            ns = w.ns.name,
+        );
+        let second = std::fs::OpenOptions::new()
+            .write(true)
+            .open(format!("{SYS_RBD}/add_single_major"))
+            .and_then(|mut f| f.write_all(add.as_bytes()));
+        drop(add);
+        let n = devices_in(&w.ns.name).len();
+        let second = second.expect_err("a second krbd mapping under krbd:exclusive");
+        eprintln!("second krbd map under krbd:exclusive: {second}");
+        assert_eq!(second.raw_os_error(), Some(libc::EROFS), "{second}");
+        assert_eq!(n, 1, "the refused map left a device");
+        // The kernel's device still writes: the lock stayed.
+        support::data::direct_write(&target, 0, &data);
+        assert!(support::data::direct_read(&target, 0, data.len()) == data);
+        w.unpublish(&id, &target).await;
+        w.unstage(&id, &staging).await;
+        // Unstaged, the lock is free: librbd writes.
+        librbd_write(&w.ns, &image)
+            .await
+            .expect("librbd write after the unstage");
+
+        // Without the option the kernel hands the lock over on request.
+        w.stage(&id, &staging, block_cap(), &[]).await;
+        librbd_write(&w.ns, &image)
+            .await
+            .expect("librbd write while krbd maps without exclusive");
+        w.unstage(&id, &staging).await;
+        assert!(devices_in(&w.ns.name).is_empty());
+        w.delete(&id).await;
+    }
+
+    /// What `csi_krbd.rs` runs against a fake sysfs, on the real kernel:
+    /// `mounter: rbd`; `mapOptions` in ceph-csi's form (the krbd part
+    /// reaches the kernel, the nbd part does not; `lock_on_read` needs an
+    /// image with exclusive-lock, which the fake does not check); the key through the
+    /// kernel keyring (`key=client.<user>`, which the fake cannot take); a
+    /// repeated stage maps nothing more; bytes through the published path
+    /// land on the kernel's device; `unmapOptions: krbd:force` removes a
+    /// device something still holds open, and without it the unstage fails
+    /// naming that option (and a retry succeeds once the holder is gone); a
+    /// repeated unstage succeeds; no userspace mapper runs meanwhile (the
+    /// plugin's mapper socket names nothing); no key in the plugin's log.
+    #[tokio::test(flavor = "multi_thread")]
+    #[ignore = "needs the kernel guest: kernel_vm::debian_6_1_guest runs it there"]
+    async fn krbd_what_the_fake_sysfs_test_covers_on_the_real_kernel() {
+        let w = World::new("kvm-paths", mon_v1()).await;
+        // lock_on_read needs exclusive-lock (the kernel refuses it without).
+        let id = w
+            .create_with(
+                "pvc-paths",
+                32 * MIB,
+                block_cap(),
+                &[("imageFeatures", "layering,exclusive-lock")],
+            )
+            .await;
+        let vol = rbdkit::volume::VolumeId::parse(&id).unwrap();
+        let (staging, target) = w.paths("p");
+        let ctx = [
+            ("mounter", "rbd"),
+            (
+                "mapOptions",
+                "krbd:lock_on_read,queue_depth=128;nbd:try-netlink",
+            ),
+            ("unmapOptions", "krbd:force"),
+        ];
+        w.stage(&id, &staging, block_cap(), &ctx).await;
+        let dev = w.device();
+        w.stage(&id, &staging, block_cap(), &ctx).await;
+        assert_eq!(w.device().id, dev.id, "a repeated stage mapped again");
+        assert_eq!(sys_attr(&dev, "pool"), "rbd");
+        assert_eq!(sys_attr(&dev, "pool_ns"), vol.rados_namespace);
+        assert_eq!(sys_attr(&dev, "name"), vol.image);
+        assert_eq!(sys_attr(&dev, "current_snap"), "-");
+        // Read, never printed: it would name the key if it were inline.
+        let info = sys_attr(&dev, "config_info");
+        let opts: Vec<&str> = info
+            .split_whitespace()
+            .nth(1)
+            .unwrap_or("")
+            .split(',')
+            .collect();
+        let user = support::ceph::NODE_USER;
+        for want in [
+            format!("name={user}"),
+            format!("key=client.{user}"),
+            "lock_on_read".to_owned(),
+            "queue_depth=128".to_owned(),
+            format!("_pool_ns={}", vol.rados_namespace),
+        ] {
+            assert!(
+                opts.contains(&want.as_str()),
+                "{want} not among rbd{}'s options",
+                dev.id
+            );
+        }
+        assert!(
+            !opts.iter().any(|o| o.starts_with("secret=")),
+            "the key went inline although the kernel has the ceph key type"
+        );
+        assert!(
+            !opts.iter().any(|o| o.contains("try-netlink")),
+            "nbd options reached krbd"
+        );
+        let tags =
+            std::fs::read_to_string(format!("/sys/block/rbd{}/mq/0/nr_tags", dev.id)).unwrap();
+        assert_eq!(tags.trim(), "128", "queue_depth");
+        w.publish(&id, &staging, &target, block_cap()).await;
+        let data = support::data::pattern(31, 64 << 10);
+        support::data::direct_write(&target, 1 << 20, &data);
+        let rbd_dev = PathBuf::from(format!("/dev/rbd{}", dev.id));
+        assert!(support::data::direct_read(&rbd_dev, 1 << 20, data.len()) == data);
+        // Held open, and removed all the same: krbd:force.
+        let holder = std::fs::File::open(&rbd_dev).unwrap();
+        w.unpublish(&id, &target).await;
+        w.unstage(&id, &staging).await;
+        assert!(
+            devices_in(&w.ns.name).is_empty(),
+            "krbd:force left the device"
+        );
+        drop(holder);
+        w.unstage(&id, &staging).await;
+        w.delete(&id).await;
+
+        // Held open without krbd:force: the unstage fails naming it and
+        // leaves the mapping; kubelet's retry succeeds once it is let go.
+        let id = w.ctl.create_volume("pvc-busy", 32 * MIB, block_cap()).await;
+        w.stage(&id, &staging, block_cap(), &[]).await;
+        let dev = w.device();
+        let holder = std::fs::File::open(format!("/dev/rbd{}", dev.id)).unwrap();
+        let err = w
+            .node()
+            .await
+            .node_unstage_volume(NodeUnstageVolumeRequest {
+                volume_id: id.clone(),
+                staging_target_path: staging.display().to_string(),
+            })
+            .await
+            .expect_err("an unstage of a device held open");
+        assert!(err.message().contains("krbd:force"), "{err}");
+        assert_eq!(w.device().id, dev.id);
+        drop(holder);
+        w.unstage(&id, &staging).await;
+        assert!(devices_in(&w.ns.name).is_empty());
+        w.delete(&id).await;
+        w.assert_no_key_in_log();
+    }
+
+    /// Makes `add_key(2)` fail with ENOSYS on this thread and whatever it
+    /// starts from now on (seccomp), as on a kernel built without keys.
+    fn deny_add_key() {
+        const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;
+        let ins = |code: u32, jt: u8, jf: u8, k: u32| libc::sock_filter {
+            code: code as u16,
+            jt,
+            jf,
+            k,
+        };
+        let prog = [
+            // seccomp_data.arch
+            ins(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, 0, 0, 4),
+            ins(
+                libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K,
+                0,
+                3,
+                AUDIT_ARCH_X86_64,
+            ),
+            // seccomp_data.nr
+            ins(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, 0, 0, 0),
+            ins(
+                libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K,
+                0,
+                1,
+                libc::SYS_add_key as u32,
+            ),
+            ins(
+                libc::BPF_RET | libc::BPF_K,
+                0,
+                0,
+                libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32,
+            ),
+            ins(libc::BPF_RET | libc::BPF_K, 0, 0, libc::SECCOMP_RET_ALLOW),
+        ];
+        let fprog = libc::sock_fprog {
+            len: prog.len() as u16,
+            filter: prog.as_ptr().cast_mut(),
+        };
+        // SAFETY: prctl(2)'s PR_SET_NO_NEW_PRIVS takes integers; its
+        // PR_SET_SECCOMP with SECCOMP_MODE_FILTER takes a pointer to a
+        // sock_fprog whose program lives for the call (the kernel copies it).
+        unsafe {
+            let (one, zero): (libc::c_ulong, libc::c_ulong) = (1, 0);
+            assert_eq!(
+                libc::prctl(libc::PR_SET_NO_NEW_PRIVS, one, zero, zero, zero),
+                0
+            );
+            assert_eq!(
+                libc::prctl(
+                    libc::PR_SET_SECCOMP,
+                    libc::SECCOMP_MODE_FILTER as libc::c_ulong,
+                    std::ptr::addr_of!(fprog) as libc::c_ulong,
+                ),
+                0,
+                "seccomp: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+
+    /// Where the kernel keyring cannot take the key (`add_key` ENOSYS: a
+    /// kernel without keys), the key goes inline as `secret=` in the sysfs
+    /// write, and the real kernel maps with it; still in no log.
+    #[tokio::test(flavor = "multi_thread")]
+    #[ignore = "needs the kernel guest: kernel_vm::debian_6_1_guest runs it there"]
+    async fn krbd_inline_secret_where_the_kernel_keyring_is_unavailable() {
+        let mut w = World::new("kvm-secret", mon_v1()).await;
+        // The plugin again, started from a thread with the filter (a child
+        // inherits its parent thread's seccomp filters).
+        w.node.kill9();
+        let (dir, config) = (w.dir.path().to_owned(), w.dir.path().join("config.json"));
+        w.node = std::thread::spawn(move || {
+            deny_add_key();
+            spawn_node(&dir, "guest", &config).0
+        })
+        .join()
+        .unwrap();
+        let id = w
+            .ctl
+            .create_volume("pvc-secret", 32 * MIB, block_cap())
+            .await;
+        let (staging, target) = w.paths("s");
+        w.stage(&id, &staging, block_cap(), &[]).await;
+        let dev = w.device();
+        let info = sys_attr(&dev, "config_info");
+        let opts: Vec<&str> = info
+            .split_whitespace()
+            .nth(1)
+            .unwrap_or("")
+            .split(',')
+            .collect();
+        assert!(
+            opts.iter().any(|o| o.starts_with("secret="))
+                && !opts.iter().any(|o| o.starts_with("key=")),
+            "rbd{} was not mapped with the key inline",
+            dev.id
+        );
+        w.publish(&id, &staging, &target, block_cap()).await;
+        let data = support::data::pattern(41, 64 << 10);
+        support::data::direct_write(&target, 0, &data);
+        assert!(support::data::direct_read(&target, 0, data.len()) == data);
+        w.unpublish(&id, &target).await;
+        w.unstage(&id, &staging).await;
+        assert!(devices_in(&w.ns.name).is_empty());
+        w.delete(&id).await;
+        w.assert_no_key_in_log();
+    }
+
+    /// `read_from_replica` with `crush_location`, given as krbd map options
+    /// (`mapOptions`, as the node service passes them today): the kernel
+    /// takes them (its client options show them), reads and writes work
+    /// (one OSD: the replica is the primary); a value the kernel refuses
+    /// fails the stage and maps nothing.
+    #[tokio::test(flavor = "multi_thread")]
+    #[ignore = "needs the kernel guest: kernel_vm::debian_6_1_guest runs it there"]
+    async fn krbd_read_from_replica_with_crush_location() {
+        let w = World::new("kvm-rfr", mon_v1()).await;
+        let id = w.ctl.create_volume("pvc-rfr", 32 * MIB, block_cap()).await;
+        let (staging, target) = w.paths("r");
+        let ctx = [(
+            "mapOptions",
+            "krbd:read_from_replica=localize,crush_location=host:kernel-vm",
+        )];
+        w.stage(&id, &staging, block_cap(), &ctx).await;
+        let dev = w.device();
+        let info = sys_attr(&dev, "config_info");
+        let opts: Vec<&str> = info
+            .split_whitespace()
+            .nth(1)
+            .unwrap_or("")
+            .split(',')
+            .collect();
+        assert!(
+            opts.contains(&"read_from_replica=localize")
+                && opts.contains(&"crush_location=host:kernel-vm"),
+            "rbd{}'s options lack them",
+            dev.id
+        );
+        // libceph's view of its client (debugfs).
+        if !Path::new("/sys/kernel/debug/ceph").exists() {
+            let _ = std::process::Command::new("mount")
+                .args(["-t", "debugfs", "debugfs", "/sys/kernel/debug"])
+                .status();
+        }
+        let mut client_opts = String::new();
+        for e in std::fs::read_dir("/sys/kernel/debug/ceph")
+            .unwrap()
+            .flatten()
+        {
+            client_opts +=
+                &std::fs::read_to_string(e.path().join("client_options")).unwrap_or_default();
+        }
+        eprintln!("libceph client options: {}", client_opts.trim());
+        assert!(
+            client_opts.contains("read_from_replica=localize"),
+            "libceph does not show read_from_replica=localize: {client_opts}"
+        );
+        w.publish(&id, &staging, &target, block_cap()).await;
+        let data = support::data::pattern(51, 64 << 10);
+        support::data::direct_write(&target, 0, &data);
+        assert!(support::data::direct_read(&target, 0, data.len()) == data);
+        w.unpublish(&id, &target).await;
+        w.unstage(&id, &staging).await;
+        let err = w
+            .stage_err(
+                &id,
+                &staging,
+                block_cap(),
+                &[("mapOptions", "krbd:read_from_replica=bogus")],
+            )
+            .await;
+        eprintln!(
+            "read_from_replica=bogus: {:?}: {}",
+            err.code(),
+            err.message()
+        );
+        assert!(
+            err.message().contains("the kernel refused an option"),
+            "{err}"
+        );
+        assert!(devices_in(&w.ns.name).is_empty(), "a refused stage mapped");
+        w.delete(&id).await;
+    }
+
+    /// Read affinity: the map options the node plugin forms from node
+    /// labels (`rbdkit::node::read_affinity`) are taken by the kernel
+    /// (Linux 5.8+) as they are, and the device reads and writes.
+    #[tokio::test(flavor = "multi_thread")]
+    #[ignore = "needs the kernel guest: kernel_vm::debian_6_1_guest runs it there"]
+    async fn krbd_takes_the_read_affinity_options() {
+        use rbdkit::node::read_affinity::{crush_location, map_options};
+        let labels: std::collections::BTreeMap<String, String> = [
+            ("topology.kubernetes.io/zone", "z.1"),
+            ("kubernetes.io/hostname", "guest"),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let opts = map_options(&crush_location(
+            &[
+                "topology.kubernetes.io/zone".into(),
+                "kubernetes.io/hostname".into(),
+            ],
+            &labels,
+        ));
+        assert_eq!(opts.len(), 2);
+        let w = World::new("kvm-ra", mon_v1()).await;
+        let id = w.ctl.create_volume("pvc-ra", 32 * MIB, block_cap()).await;
+        let (staging, target) = w.paths("ra");
+        let map = format!("krbd:{}", opts.join(","));
+        w.stage(&id, &staging, block_cap(), &[("mapOptions", &map)])
+            .await;
+        let dev = w.device();
+        let info = sys_attr(&dev, "config_info");
+        for o in &opts {
+            assert!(
+                info.contains(o.as_str()),
+                "{o} not in rbd{}'s options",
+                dev.id
+            );
+        }
+        w.publish(&id, &staging, &target, block_cap()).await;
+        let data = support::data::pattern(5, 1 << 20);
+        {
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(&target)
+                .unwrap();
+            f.write_all(&data).unwrap();
+            f.sync_all().unwrap();
+        }
+        let mut back = vec![0u8; data.len()];
+        std::fs::File::open(&target)
+            .unwrap()
+            .read_exact(&mut back)
+            .unwrap();
+        assert!(back == data);
+        w.unpublish(&id, &target).await;
+        w.unstage(&id, &staging).await;
+        assert!(devices_in(&w.ns.name).is_empty());
+        w.delete(&id).await;
+        w.assert_no_key_in_log();
     }
 }

@@ -149,7 +149,7 @@ impl Daemon {
     }
 
     /// The worker's pid (from `ping`).
-    fn worker_pid(&self) -> u32 {
+    pub(crate) fn worker_pid(&self) -> u32 {
         self.mapper().ping().expect("ping the worker")
     }
 
@@ -161,7 +161,7 @@ impl Daemon {
 
     /// Makes the worker hold the next WRITE it reads unanswered, until it
     /// dies (see [`HOLD_WRITES_ENV`]).
-    fn arm_hold(&self) {
+    pub(crate) fn arm_hold(&self) {
         let hook = self.hook_dir();
         std::fs::create_dir_all(&hook).unwrap();
         let _ = std::fs::remove_file(hook.join("held"));
@@ -169,7 +169,7 @@ impl Daemon {
     }
 
     /// Waits until the worker holds a WRITE (after [`Daemon::arm_hold`]).
-    fn wait_held(&self) {
+    pub(crate) fn wait_held(&self) {
         let held = self.hook_dir().join("held");
         let deadline = Instant::now() + EVENT_WAIT;
         while !held.exists() {
@@ -190,14 +190,14 @@ impl Daemon {
         }
     }
 
-    fn all_logs(&self) -> String {
+    pub(crate) fn all_logs(&self) -> String {
         (1..=self.runs)
             .map(|r| std::fs::read_to_string(self.log(r)).unwrap_or_default())
             .collect()
     }
 
     /// Mounts `dev` at a new folder with the `mount` CLI; unmounted on drop.
-    fn mount(&mut self, dev: &Path, name: &str) -> PathBuf {
+    pub(crate) fn mount(&mut self, dev: &Path, name: &str) -> PathBuf {
         let m = self.dir.join(name);
         std::fs::create_dir_all(&m).unwrap();
         run("mount", &[dev.to_str().unwrap(), m.to_str().unwrap()]);
@@ -210,7 +210,7 @@ impl Daemon {
     /// builds roots with mmdebstrap beside the tests) keeps a copy of the
     /// mount, and so the filesystem, until it drops it, and a detach then
     /// finds the device busy.
-    fn umount(&mut self, m: &Path) {
+    pub(crate) fn umount(&mut self, m: &Path) {
         let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
         let dev = mounts
             .lines()
@@ -268,7 +268,7 @@ fn parent_of(pid: u32) -> Option<u32> {
     after.split(' ').nth(1)?.parse().ok()
 }
 
-fn run(cmd: &str, args: &[&str]) {
+pub(crate) fn run(cmd: &str, args: &[&str]) {
     let out = Command::new(cmd).args(args).output().expect(cmd);
     assert!(
         out.status.success(),
@@ -1218,7 +1218,7 @@ fn blocklisting_ends_the_dead_clients_watches_at_once() {
 
 /// `/sys/fs/fuse/connections/N` of the daemon's FUSE mount (fusectl is
 /// mounted if it is not).
-fn fuse_connection(d: &Daemon) -> PathBuf {
+pub(crate) fn fuse_connection(d: &Daemon) -> PathBuf {
     use std::os::unix::fs::MetadataExt;
     let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
     if !mounts
@@ -1236,7 +1236,7 @@ fn fuse_connection(d: &Daemon) -> PathBuf {
 }
 
 /// Requests the kernel has sent the daemon and not had answered.
-fn fuse_waiting(conn: &Path) -> u64 {
+pub(crate) fn fuse_waiting(conn: &Path) -> u64 {
     std::fs::read_to_string(conn.join("waiting"))
         .ok()
         .and_then(|s| s.trim().parse().ok())
@@ -1244,7 +1244,7 @@ fn fuse_waiting(conn: &Path) -> u64 {
 }
 
 /// Waits for a worker other than `old` to answer, and returns its pid.
-fn next_worker(d: &Daemon, old: u32) -> u32 {
+pub(crate) fn next_worker(d: &Daemon, old: u32) -> u32 {
     let deadline = Instant::now() + EVENT_WAIT;
     loop {
         if let Ok(p) = d.mapper().ping() {
@@ -1262,7 +1262,7 @@ fn next_worker(d: &Daemon, old: u32) -> u32 {
 
 /// The requests the new workers answered for their dead predecessors, from
 /// the "took over the requests" log lines (`replayed=N`).
-fn replayed(logs: &str) -> u64 {
+pub(crate) fn replayed(logs: &str) -> u64 {
     logs.lines()
         .filter(|l| l.contains("took over the requests"))
         .filter_map(|l| {
@@ -1291,7 +1291,7 @@ fn join_all<T>(threads: Vec<std::thread::JoinHandle<T>>, within: Duration, what:
 /// answered (the test hook, armed before by [`Daemon::arm_hold`]), so the
 /// kill always lands with that request in flight, however slow the
 /// machine. Returns the dead worker's pid.
-fn kill9_worker_holding_a_write(d: &Daemon, conn: &Path) -> u32 {
+pub(crate) fn kill9_worker_holding_a_write(d: &Daemon, conn: &Path) -> u32 {
     let old = d.worker_pid();
     d.wait_held();
     assert!(
