@@ -2,7 +2,8 @@
 //! people. The level comes from `RUST_LOG` (default `info`).
 //!
 //! Shared by every daemon: the provisioner, the CSI server and the FUSE
-//! mapper.
+//! mapper. Also the plain HTTP side they share (the Prometheus encoding and
+//! the server), whatever their probes check.
 
 use std::str::FromStr;
 
@@ -49,6 +50,47 @@ pub fn init(format: LogFormat) {
             .try_init(),
         LogFormat::Text => builder.try_init(),
     };
+}
+
+/// The metrics of `registry` in the Prometheus text format.
+pub fn encode_metrics(registry: &prometheus_client::registry::Registry) -> String {
+    let mut out = String::new();
+    // Encoding into a String cannot fail.
+    let _ = prometheus_client::encoding::text::encode(&mut out, registry);
+    out
+}
+
+/// A `/metrics` response: `body` (from [`encode_metrics`]) with the
+/// OpenMetrics content type.
+pub fn metrics_response(body: String) -> impl axum::response::IntoResponse {
+    (
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        body,
+    )
+}
+
+/// Serves `app` on `addr` until `shutdown` resolves: the HTTP side of every
+/// daemon (probes and metrics). Returns the address actually bound (port 0
+/// picks a free one) once listening, and the server task.
+pub async fn serve_http(
+    addr: std::net::SocketAddr,
+    app: axum::Router,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<(
+    std::net::SocketAddr,
+    tokio::task::JoinHandle<std::io::Result<()>>,
+)> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown)
+            .await
+    });
+    Ok((bound, task))
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@
 //! - [`identity`], [`controller`], [`group_controller`], [`node`]: the
 //!   services (the group controller, volume group snapshots, with the
 //!   controller);
+//! - [`metrics`]: `--http-addr`'s probes and Prometheus metrics;
 //! - [`client`]: a channel to the server's socket, for those who play kubelet.
 //!
 //! The controller calls the same volume operations as the provisioner
@@ -22,6 +23,7 @@ pub mod driver;
 pub mod group_controller;
 pub mod identity;
 pub mod jobs;
+pub mod metrics;
 pub mod node;
 pub mod proto;
 pub mod topology;
@@ -38,7 +40,6 @@ use crate::blocking::BlockingPool;
 use crate::node::Mapper;
 use crate::telemetry::{self, LogFormat};
 use crate::volume::clusters::{ClustersFile, Connections};
-use crate::volume::NoMetrics;
 
 /// Which services the server offers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -179,6 +180,11 @@ pub struct CsiArgs {
     /// Bound on each readiness check of Probe.
     #[arg(long, default_value = "2s")]
     pub probe_timeout: humantime::Duration,
+
+    /// Address of the /healthz (the gRPC socket answers), /readyz (Probe
+    /// is ready) and /metrics server; none without it.
+    #[arg(long)]
+    pub http_addr: Option<std::net::SocketAddr>,
 }
 
 /// The socket path of an endpoint (`unix:///p`, `unix:/p` or `/p`).
@@ -316,11 +322,12 @@ pub async fn run_until(
         tracing::info!(?topology, "node topology");
     }
     let pool = BlockingPool::new(args.ceph_threads);
+    let csi_metrics = metrics::CsiMetrics::new();
     let conns = Arc::new(Connections::new(
         pool.clone(),
         args.ceph_connect_timeout.into(),
         args.ceph_op_timeout.into(),
-        Arc::new(NoMetrics),
+        Arc::new(csi_metrics.clone()),
     ));
     let with_controller = args.mode != Mode::Node;
     let with_node = args.mode != Mode::Controller;
@@ -333,7 +340,7 @@ pub async fn run_until(
         Arc::clone(&clusters),
         Arc::clone(&conns),
         pool,
-        Arc::new(NoMetrics),
+        Arc::new(csi_metrics.clone()),
     )
     .with_kms_config(args.kms_config.clone())
     .with_kubeconfig(args.kubeconfig.clone());
@@ -411,7 +418,27 @@ pub async fn run_until(
         args.probe_timeout.into(),
         ready_check,
     );
+    let http = match args.http_addr {
+        Some(addr) => {
+            let app = metrics::router(
+                csi_metrics.clone(),
+                path.clone(),
+                with_node.then(|| args.state_dir.clone()),
+                args.probe_timeout.into(),
+            );
+            let mut rx = stop_rx.clone();
+            let (bound, task) = crate::telemetry::serve_http(addr, app, async move {
+                let _ = rx.changed().await;
+            })
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+            tracing::info!(http = %bound, "serving /healthz, /readyz and /metrics");
+            Some(task)
+        }
+        None => None,
+    };
     let router = tonic::transport::Server::builder()
+        .layer(metrics::RpcMetricsLayer(csi_metrics.clone()))
         .add_service(IdentityServer::new(identity))
         .add_optional_service(with_controller.then(|| {
             ControllerServer::new(controller::ControllerService::new(Arc::clone(&driver)))
@@ -428,6 +455,9 @@ pub async fn run_until(
     let _ = stop_tx.send(true);
     let _ = config_watch.await;
     let _ = reaper.await;
+    if let Some(h) = http {
+        let _ = h.await;
+    }
     let _ = std::fs::remove_file(&path);
     served.context("gRPC server failed")
 }

@@ -1006,6 +1006,31 @@ impl NodeService {
     }
 }
 
+/// The volumes staged on this node per mapper, from the index under
+/// `state_dir` and each one's stash (for the metrics). An entry whose
+/// stash names no mapped device (a stage cut short) is not counted.
+pub fn staged_volumes(state_dir: &Path) -> std::collections::BTreeMap<String, u64> {
+    let mut out = std::collections::BTreeMap::new();
+    let Ok(entries) = std::fs::read_dir(state_dir.join("staged")) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        if e.path().extension().and_then(|x| x.to_str()) != Some("path") {
+            continue;
+        }
+        let mapper = std::fs::read(e.path())
+            .ok()
+            .map(|b| PathBuf::from(String::from_utf8_lossy(&b).into_owned()))
+            .and_then(|staging| Stash::read(&staging).ok().flatten())
+            .filter(|st| st.device.is_some())
+            .map(|st| st.mapper);
+        if let Some(m) = mapper {
+            *out.entry(m).or_insert(0) += 1;
+        }
+    }
+    out
+}
+
 /// The `io.max` of librbd's limits: each direction gets the lower of its
 /// own limit and the combined one (io.max has no combined limit).
 fn io_max_of(limits: &crate::volume::qos::Limits) -> IoMax {

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
@@ -116,11 +116,8 @@ impl Health {
 
     /// The metrics in the Prometheus text format.
     pub fn encode_metrics(&self) -> String {
-        let mut out = String::new();
         let registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
-        // Encoding into a String cannot fail.
-        let _ = prometheus_client::encoding::text::encode(&mut out, &registry);
-        out
+        crate::telemetry::encode_metrics(&registry)
     }
 
     /// The router with the three endpoints.
@@ -140,15 +137,7 @@ impl Health {
         addr: SocketAddr,
         shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<std::io::Result<()>>)> {
-        let listener = tokio::net::TcpListener::bind(addr).await?;
-        let bound = listener.local_addr()?;
-        let app = self.router();
-        let task = tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(shutdown)
-                .await
-        });
-        Ok((bound, task))
+        crate::telemetry::serve_http(addr, self.router(), shutdown).await
     }
 }
 
@@ -183,11 +172,5 @@ async fn readyz(State(h): State<Health>) -> impl IntoResponse {
 }
 
 async fn metrics(State(h): State<Health>) -> impl IntoResponse {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        h.encode_metrics(),
-    )
+    crate::telemetry::metrics_response(h.encode_metrics())
 }

@@ -14,6 +14,7 @@ mod csi_controller;
 mod csi_deploy;
 mod csi_group_snapshots;
 mod csi_krbd;
+mod csi_metrics;
 mod csi_node;
 mod csi_qos;
 mod csi_read_affinity;
