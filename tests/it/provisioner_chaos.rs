@@ -589,8 +589,19 @@ async fn kill_9_at_random_moments_leaves_one_pv_and_one_image_per_claim() {
         if n == 0 && images.is_empty() && trash.is_empty() && hidden.is_empty() {
             Ok(())
         } else {
+            // Who still has each left image open (a delete waits for it):
+            // client instance and address, against the provisioner's.
+            let watched: Vec<String> = images
+                .iter()
+                .map(|i| {
+                    let w = Image::open_read_only(&env.rbd.ioctx, i).and_then(|img| img.watchers());
+                    format!("{i}: {w:?}")
+                })
+                .collect();
             Err(format!(
-                "{n} PVs, images {images:?}, trash {trash:?}, hidden image headers {hidden:?}"
+                "{n} PVs, images {images:?} (watchers {watched:?}), trash {trash:?}, hidden \
+                 image headers {hidden:?}; provisioner log: {}",
+                p.log_tail()
             ))
         }
     })
