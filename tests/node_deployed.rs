@@ -368,6 +368,9 @@ impl Drop for Stack {
                 .arg("down")
                 .arg(&self.node_dir),
         );
+        // The deployed node plugin kept its Ceph user's key in this host's
+        // kernel keyring (its containers share the host's): not left behind.
+        support::csi::forget_kept_keys(&format!("rbd.rbdkit.io/{CLUSTER_ID}"));
         for rule in &self.nat {
             let mut r = rule.clone();
             // -D takes the same spec as -A.
