@@ -52,23 +52,7 @@ extern "C" fn stop_shared() {
 /// Runs `k8s-test-control-plane down DIR`, reporting (not panicking on) errors:
 /// this runs from `Drop` and at process exit.
 fn down(dir: &Path) {
-    match Command::new(script())
-        .arg("down")
-        .arg(dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .output()
-    {
-        Ok(out) if out.status.success() => {}
-        Ok(out) => eprintln!(
-            "k8s-test-control-plane down {} failed ({}):\n{}",
-            dir.display(),
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        ),
-        Err(e) => eprintln!("cannot run {}: {e}", script().display()),
-    }
+    super::process::script_down(&script(), dir);
 }
 
 /// The control plane named by `RBDKIT_TEST_KUBECONFIG`, if set.

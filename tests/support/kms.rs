@@ -67,23 +67,7 @@ fn script() -> PathBuf {
 extern "C" fn stop_shared() {
     let dir = SHARED_DIR.lock().ok().and_then(|mut d| d.take());
     if let Some(dir) = dir {
-        match Command::new(script())
-            .arg("down")
-            .arg(&dir)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .output()
-        {
-            Ok(out) if out.status.success() => {}
-            Ok(out) => eprintln!(
-                "kms-test-server down {} failed ({}):\n{}",
-                dir.display(),
-                out.status,
-                String::from_utf8_lossy(&out.stderr)
-            ),
-            Err(e) => eprintln!("cannot run {}: {e}", script().display()),
-        }
+        super::process::script_down(&script(), &dir);
     }
 }
 

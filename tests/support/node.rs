@@ -58,22 +58,7 @@ fn script() -> PathBuf {
 extern "C" fn stop_shared() {
     let dir = SHARED_DIR.lock().ok().and_then(|mut d| d.take());
     if let Some(dir) = dir {
-        match Command::new(script())
-            .arg("down")
-            .arg(&dir)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .output()
-        {
-            Ok(o) if o.status.success() => {}
-            Ok(o) => eprintln!(
-                "k8s-test-node down {} failed:\n{}",
-                dir.display(),
-                String::from_utf8_lossy(&o.stderr)
-            ),
-            Err(e) => eprintln!("cannot run {}: {e}", script().display()),
-        }
+        super::process::script_down(&script(), &dir);
     }
 }
 

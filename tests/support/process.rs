@@ -202,3 +202,27 @@ impl Drop for Proc {
         super::artifacts::copy(&group, &self.log);
     }
 }
+
+/// Runs `SCRIPT down DIR` (a fixture's test-server script: Vault, the
+/// control plane, the test node), reporting, never panicking on, a
+/// failure: it runs from `Drop` and at process exit.
+pub fn script_down(script: &Path, dir: &Path) {
+    let name = script.file_name().unwrap_or_default().to_string_lossy();
+    match Command::new(script)
+        .arg("down")
+        .arg(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+    {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => eprintln!(
+            "{name} down {} failed ({}):\n{}",
+            dir.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(e) => eprintln!("cannot run {}: {e}", script.display()),
+    }
+}
