@@ -13,7 +13,10 @@
 //! - [`metrics`]: Prometheus metrics;
 //! - [`source`]: claims with a data source (clones, restores);
 //! - [`maintenance`]: background flattens and the trash, while leading.
-//! - [`snapshots`]: the VolumeSnapshotContent reconciler.
+//! - [`snapshots`]: the VolumeSnapshotContent reconciler;
+//! - [`group_snapshots`]: the VolumeGroupSnapshotContent reconciler;
+//! - [`content`], [`crd`]: what those two share: csi-snapshotter's flow
+//!   and the custom resources' plumbing.
 //! - [`topology`]: accessibility requirements of a claim and the PV's node
 //!   affinity (`topologyConstrainedPools`).
 //! - [`out_of_service`]: Nodes with the out-of-service taint fenced, their
@@ -24,8 +27,11 @@
 //! operations themselves are in [`crate::volume`], shared with the CSI
 //! controller.
 
+pub mod content;
 pub mod controller;
+pub mod crd;
 pub mod encryption;
+pub mod group_snapshots;
 pub mod maintenance;
 pub mod metrics;
 pub mod modify;
@@ -505,6 +511,12 @@ async fn run_controllers(
         with_snapshots,
         shutdown.clone(),
     );
+    let group_snapshots = group_snapshots::run(
+        Arc::clone(&ctx),
+        config.clone(),
+        with_snapshots,
+        shutdown.clone(),
+    );
     let nodes = out_of_service::run(Arc::clone(&ctx), config.clone(), shutdown.clone());
     let fences = network_fence::run(Arc::clone(&ctx), config.clone(), shutdown.clone());
     let strip = Arc::clone(&ctx);
@@ -557,7 +569,7 @@ async fn run_controllers(
     );
     // `synced` never ends: it is dropped with the controllers.
     tokio::select! {
-        _ = async { futures::join!(claims, volumes, snapshots, classes, nodes, fences) } => {}
+        _ = async { futures::join!(claims, volumes, snapshots, group_snapshots, classes, nodes, fences) } => {}
         _ = synced => {}
         _ = maintenance => {}
     }

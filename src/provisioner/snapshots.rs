@@ -25,19 +25,19 @@
 //! crash finds what an earlier attempt made; a delete uses the same name,
 //! so a half-made snapshot is removed too.
 
-use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, UNIX_EPOCH};
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
 use serde::Deserialize;
 use serde_json::json;
 
+use crate::provisioner::content::{self, Content, StatusError};
 use crate::provisioner::controller::{edit_meta, Context, ReconcileError};
+use crate::provisioner::crd::{self, cluster_resource, nanos};
 use crate::volume::image_base;
 use crate::volume::ops::VolumeError;
 use crate::volume::params::{
@@ -137,39 +137,103 @@ pub struct ContentStatus {
     /// Whether restores can be made.
     #[serde(default)]
     pub ready_to_use: Option<bool>,
+    /// Set on a member of a volume group snapshot.
+    #[serde(default)]
+    pub volume_group_snapshot_handle: Option<String>,
     /// The last error creating or checking the snapshot.
     #[serde(default)]
-    pub error: Option<SnapshotError>,
+    pub error: Option<StatusError>,
 }
 
-/// `VolumeSnapshotContent.status.error`.
-#[derive(Debug, Clone, Default, Deserialize)]
-pub struct SnapshotError {
-    /// What went wrong.
-    #[serde(default)]
-    pub message: Option<String>,
-}
+cluster_resource!(
+    VolumeSnapshotContent,
+    group = GROUP,
+    version = "v1",
+    kind = "VolumeSnapshotContent",
+    plural = "volumesnapshotcontents"
+);
 
-impl Resource for VolumeSnapshotContent {
-    type DynamicType = ();
-    type Scope = kube::core::ClusterResourceScope;
-    fn kind(_: &()) -> Cow<'_, str> {
-        "VolumeSnapshotContent".into()
+impl Content for VolumeSnapshotContent {
+    const WHAT: &'static str = "snapshot content";
+    const FINALIZER: &'static str = SNAPSHOT_FINALIZER;
+    const BOUND_FINALIZER: &'static str = BOUND_FINALIZER;
+    const ANN_BEING_CREATED: &'static str = ANN_BEING_CREATED;
+    const ANN_BEING_DELETED: &'static str = ANN_BEING_DELETED;
+    const REASONS: [&'static str; 3] = [
+        "SnapshotCreationFailed",
+        "SnapshotContentCheckandUpdateFailed",
+        "SnapshotDeleteError",
+    ];
+
+    fn driver(&self) -> &str {
+        &self.spec.driver
     }
-    fn group(_: &()) -> Cow<'_, str> {
-        GROUP.into()
+    fn deletion_policy(&self) -> &str {
+        &self.spec.deletion_policy
     }
-    fn version(_: &()) -> Cow<'_, str> {
-        "v1".into()
+    fn ready(&self) -> bool {
+        self.status
+            .as_ref()
+            .and_then(|s| s.ready_to_use)
+            .unwrap_or(false)
     }
-    fn plural(_: &()) -> Cow<'_, str> {
-        "volumesnapshotcontents".into()
+    fn dynamic(&self) -> bool {
+        self.spec.source.volume_handle.is_some()
     }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
+    fn static_source(&self) -> bool {
+        self.spec.source.snapshot_handle.is_some()
     }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
+    fn bound_uid(&self) -> &str {
+        self.spec
+            .volume_snapshot_ref
+            .uid
+            .as_deref()
+            .unwrap_or_default()
+    }
+    fn handle_in_status(&self) -> bool {
+        self.status
+            .as_ref()
+            .is_some_and(|s| s.snapshot_handle.is_some())
+    }
+    fn error_message(&self) -> Option<&str> {
+        self.status
+            .as_ref()
+            .and_then(|s| s.error.as_ref())
+            .and_then(|e| e.message.as_deref())
+    }
+    fn no_source() -> &'static str {
+        "the content's spec.source names neither a volumeHandle nor a snapshotHandle"
+    }
+    fn error_status(message: &str, time: &str) -> serde_json::Value {
+        // With readyToUse: the snapshot-controller requeues a VolumeSnapshot
+        // on a content change only if readyToUse (not the error) differs, so
+        // an error set after it first wrote the snapshot's status never
+        // reached the VolumeSnapshot until its 15-minute resync.
+        // csi-snapshotter sets both for the same reason. Only a content not
+        // ready gets here.
+        json!({"status": {
+            "error": {"message": message, "time": time},
+            "readyToUse": false,
+        }})
+    }
+    async fn elsewhere(&self, ctx: &Context) -> Option<Result<Action, ReconcileError>> {
+        let group_handle = self
+            .status
+            .as_ref()
+            .is_some_and(|s| s.volume_group_snapshot_handle.is_some());
+        if crate::provisioner::group_snapshots::is_member(self.annotations(), group_handle) {
+            return Some(member_content(self, ctx).await);
+        }
+        None
+    }
+    async fn create(&self, ctx: &Context) -> Result<(), String> {
+        create(self, ctx).await
+    }
+    async fn check_static(&self, ctx: &Context) -> Result<(), String> {
+        check_static(self, ctx).await
+    }
+    async fn delete_steps(&self, ctx: &Context) -> Result<(), String> {
+        delete_steps(self, ctx).await
     }
 }
 
@@ -187,39 +251,13 @@ pub struct VolumeSnapshotClass {
     pub parameters: Option<BTreeMap<String, String>>,
 }
 
-impl Resource for VolumeSnapshotClass {
-    type DynamicType = ();
-    type Scope = kube::core::ClusterResourceScope;
-    fn kind(_: &()) -> Cow<'_, str> {
-        "VolumeSnapshotClass".into()
-    }
-    fn group(_: &()) -> Cow<'_, str> {
-        GROUP.into()
-    }
-    fn version(_: &()) -> Cow<'_, str> {
-        "v1".into()
-    }
-    fn plural(_: &()) -> Cow<'_, str> {
-        "volumesnapshotclasses".into()
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
-
-/// Whether the VolumeSnapshotContent CRD is installed (a list of one
-/// answers); `Err` for any other API failure.
-pub async fn crd_installed(client: &kube::Client) -> Result<bool, kube::Error> {
-    let api: Api<VolumeSnapshotContent> = Api::all(client.clone());
-    match api.list_metadata(&ListParams::default().limit(1)).await {
-        Ok(_) => Ok(true),
-        Err(kube::Error::Api(e)) if e.code == 404 => Ok(false),
-        Err(e) => Err(e),
-    }
-}
+cluster_resource!(
+    VolumeSnapshotClass,
+    group = GROUP,
+    version = "v1",
+    kind = "VolumeSnapshotClass",
+    plural = "volumesnapshotclasses"
+);
 
 /// The name of the snapshot image for a dynamic content (see the module
 /// doc): from the VolumeSnapshot's uid, else the content's name.
@@ -263,143 +301,29 @@ fn annotated_secret(content: &VolumeSnapshotContent) -> Result<SecretRef, String
     }
 }
 
-fn nanos(t: std::time::SystemTime) -> i64 {
-    t.duration_since(UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
-        .unwrap_or(0)
-}
-
-fn now_rfc3339() -> String {
-    k8s_openapi::jiff::Timestamp::now().to_string()
-}
-
-/// Reconciles a VolumeSnapshotContent of this driver.
-pub async fn reconcile_content(
-    content: Arc<VolumeSnapshotContent>,
-    ctx: Arc<Context>,
-) -> Result<Action, ReconcileError> {
-    if content.spec.driver != ctx.name {
-        return Ok(Action::await_change());
-    }
-    ctx.limiter.acquire().await;
-    let key = format!("snapshot/{}", content.name_any());
-    let out = content_inner(&content, &ctx).await;
-    if out.is_ok() {
-        ctx.pv_failures.succeeded(&key);
-    }
-    out
-}
-
-/// Requeues a failed content after its backoff.
-pub fn content_error_policy(
-    content: Arc<VolumeSnapshotContent>,
-    err: &ReconcileError,
-    ctx: Arc<Context>,
-) -> Action {
-    let key = format!("snapshot/{}", content.name_any());
-    let delay = ctx.pv_failures.failed(&key);
-    tracing::warn!(content = %content.name_any(), error = %err, retry_in = ?delay, "snapshot content not done; will retry");
-    Action::requeue(delay)
-}
-
 fn api(ctx: &Context) -> Api<VolumeSnapshotContent> {
     Api::all(ctx.client.clone())
 }
 
-async fn content_inner(
+/// A member of a volume group snapshot: its image belongs to the group
+/// snapshot, which creates and deletes it
+/// ([`crate::provisioner::group_snapshots`]); as csi-snapshotter, only the
+/// finalizers are taken off once it goes.
+async fn member_content(
     content: &VolumeSnapshotContent,
     ctx: &Context,
 ) -> Result<Action, ReconcileError> {
-    let name = content.name_any();
-    if content.metadata.deletion_timestamp.is_some() {
-        let unbound_static = content.spec.source.snapshot_handle.is_some()
-            && content
-                .spec
-                .volume_snapshot_ref
-                .uid
-                .as_deref()
-                .unwrap_or_default()
-                .is_empty();
-        if unbound_static || content.annotations().contains_key(ANN_BEING_DELETED) {
-            return content_deleted(content, ctx).await;
-        }
-        // Still bound: the snapshot-controller says when it may go.
-        return Ok(Action::await_change());
+    let deleting = content.metadata.deletion_timestamp.is_some()
+        && content.annotations().contains_key(ANN_BEING_DELETED);
+    if deleting {
+        let api = api(ctx);
+        let none = BTreeMap::new();
+        let name = content.name_any();
+        edit_meta(&api, &name, SNAPSHOT_FINALIZER, false, &none).await?;
+        edit_meta(&api, &name, BOUND_FINALIZER, false, &none).await?;
+        tracing::info!(content = %name, "group snapshot member content released");
     }
-    let ready = content
-        .status
-        .as_ref()
-        .and_then(|s| s.ready_to_use)
-        .unwrap_or(false);
-    if ready {
-        // Also puts our finalizer back: the snapshot-controller's first
-        // finalizer patch replaces the whole list when its cache had none.
-        let has_finalizer = content.finalizers().iter().any(|f| f == SNAPSHOT_FINALIZER);
-        if !has_finalizer || content.annotations().contains_key(ANN_BEING_CREATED) {
-            let change = BTreeMap::from([(ANN_BEING_CREATED.to_owned(), None)]);
-            edit_meta(&api(ctx), &name, SNAPSHOT_FINALIZER, true, &change).await?;
-        }
-        return Ok(Action::await_change());
-    }
-    let result = if content.spec.source.volume_handle.is_some() {
-        create(content, ctx).await
-    } else if content.spec.source.snapshot_handle.is_some() {
-        check_static(content, ctx).await
-    } else {
-        Err("the content's spec.source names neither a volumeHandle nor a snapshotHandle".into())
-    };
-    match result {
-        Ok(()) => Ok(Action::await_change()),
-        Err(why) => {
-            let reason = if content.spec.source.volume_handle.is_some() {
-                "SnapshotCreationFailed"
-            } else {
-                "SnapshotContentCheckandUpdateFailed"
-            };
-            report_error(content, ctx, reason, &why).await;
-            Err(ReconcileError(why))
-        }
-    }
-}
-
-/// Sets `status.error` (unless the same message is there) and a Warning
-/// event.
-async fn report_error(content: &VolumeSnapshotContent, ctx: &Context, reason: &str, why: &str) {
-    ctx.events
-        .warning(&content.object_ref(&()), reason, why)
-        .await;
-    let message = crate::k8s::events::clip(why);
-    // Written again, the new time would be a change that wakes this
-    // reconciler at once: a loop on the API server with no backoff, which
-    // also kept the snapshot-controller from copying the error to the
-    // VolumeSnapshot on a loaded machine.
-    let current = content
-        .status
-        .as_ref()
-        .and_then(|s| s.error.as_ref())
-        .and_then(|e| e.message.as_deref());
-    if current == Some(message.as_str()) {
-        return;
-    }
-    // With readyToUse: the snapshot-controller requeues a VolumeSnapshot
-    // on a content change only if readyToUse (not the error) differs, so an
-    // error set after it first wrote the snapshot's status never reached
-    // the VolumeSnapshot until its 15-minute resync. csi-snapshotter sets
-    // both for the same reason. Only a content not ready gets here.
-    let patch = json!({"status": {
-        "error": {"message": message, "time": now_rfc3339()},
-        "readyToUse": false,
-    }});
-    if let Err(e) = api(ctx)
-        .patch_status(
-            &content.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
-        .await
-    {
-        tracing::warn!(content = %content.name_any(), error = %e, "cannot set the content's status.error");
-    }
+    Ok(Action::await_change())
 }
 
 async fn set_ready(
@@ -599,33 +523,6 @@ async fn snapshot_of(
     }))
 }
 
-async fn content_deleted(
-    content: &VolumeSnapshotContent,
-    ctx: &Context,
-) -> Result<Action, ReconcileError> {
-    let name = content.name_any();
-    let ours = content.finalizers().iter().any(|f| f == SNAPSHOT_FINALIZER);
-    let has_status = content
-        .status
-        .as_ref()
-        .is_some_and(|s| s.snapshot_handle.is_some());
-    // Nothing of ours can exist unless we marked it or filled its status.
-    if content.spec.deletion_policy == "Delete" && (ours || has_status) {
-        if let Err(why) = delete_steps(content, ctx).await {
-            ctx.events
-                .warning(&content.object_ref(&()), "SnapshotDeleteError", &why)
-                .await;
-            return Err(ReconcileError(why));
-        }
-    }
-    let api = api(ctx);
-    let none = BTreeMap::new();
-    edit_meta(&api, &name, SNAPSHOT_FINALIZER, false, &none).await?;
-    edit_meta(&api, &name, BOUND_FINALIZER, false, &none).await?;
-    tracing::info!(content = %name, policy = %content.spec.deletion_policy, "snapshot content released");
-    Ok(Action::await_change())
-}
-
 async fn delete_steps(content: &VolumeSnapshotContent, ctx: &Context) -> Result<(), String> {
     let Some(id) = snapshot_of(content, ctx).await? else {
         return Ok(());
@@ -670,59 +567,23 @@ async fn delete_steps(content: &VolumeSnapshotContent, ctx: &Context) -> Result<
     Ok(())
 }
 
-/// How often a provisioner without the snapshot CRDs looks for them again.
-pub const CRD_POLL: Duration = Duration::from_secs(30);
-
-/// Runs the VolumeSnapshotContent controller until `shutdown` resolves.
-/// While the CRD is missing it logs so and looks again every [`CRD_POLL`];
-/// with `enabled` false it only waits for `shutdown`.
+/// Runs the VolumeSnapshotContent controller until `shutdown` resolves
+/// ([`crd::run`]: it waits for the CRD; with `enabled` false it only
+/// waits).
 pub async fn run(
     ctx: Arc<Context>,
     config: kube::runtime::controller::Config,
     enabled: bool,
     shutdown: impl std::future::Future<Output = ()> + Clone + Send + Sync + 'static,
 ) {
-    use futures::StreamExt;
-    if !enabled {
-        tracing::info!(
-            "snapshots disabled (--snapshots=false): VolumeSnapshotContents are not handled"
-        );
-        shutdown.await;
-        return;
-    }
-    let mut warned = false;
-    loop {
-        match crd_installed(&ctx.client).await {
-            Ok(true) => break,
-            Ok(false) if !warned => {
-                tracing::warn!(
-                    "the VolumeSnapshotContent CRD ({GROUP}/v1) is not installed: VolumeSnapshots are not handled until it is (looking again every {CRD_POLL:?})"
-                );
-                warned = true;
-            }
-            Ok(false) => {}
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot tell whether the snapshot CRDs are installed; will look again")
-            }
-        }
-        tokio::select! {
-            _ = shutdown.clone() => return,
-            _ = tokio::time::sleep(CRD_POLL) => {}
-        }
-    }
-    tracing::info!("snapshot CRDs found: handling VolumeSnapshotContents");
-    let contents: Api<VolumeSnapshotContent> = Api::all(ctx.client.clone());
-    kube::runtime::Controller::new(
-        contents,
-        kube::runtime::watcher::Config::default().any_semantic(),
+    crd::run::<VolumeSnapshotContent, _, _, _>(
+        "VolumeSnapshotContent",
+        ctx,
+        config,
+        enabled,
+        shutdown,
+        content::reconcile::<VolumeSnapshotContent>,
+        content::error_policy::<VolumeSnapshotContent>,
     )
-    .with_config(config)
-    .graceful_shutdown_on(shutdown)
-    .run(reconcile_content, content_error_policy, ctx)
-    .for_each(|r| async move {
-        if let Err(e) = r {
-            tracing::debug!(error = %e, "snapshot content controller");
-        }
-    })
-    .await;
+    .await
 }

@@ -39,12 +39,12 @@
 
 use crate::rados::{Cluster, IoCtx};
 use crate::rbd::{self, Features, Image, ImageOptions, SnapNamespaceType};
-use crate::volume::ops::{ioctx, open_if_exists, timed, VolumeError, META_CLUSTER};
+use crate::volume::ops::{fenced, ioctx, open_if_exists, timed, VolumeError, META_CLUSTER};
 use crate::volume::ops::{META_PROVISIONER, TEMP_SUFFIX};
 use crate::volume::snapshot::{
     self as snap, SnapshotInfo, KIND_SNAPSHOT, META_KIND, META_SNAPSHOT, META_SOURCE, SNAP_NAME,
 };
-use crate::volume::{CephObserver, GroupSnapshotId, SnapshotId, VolumeId};
+use crate::volume::{CephObserver, Fence, GroupSnapshotId, NoFence, SnapshotId, VolumeId};
 use crate::ErrorKind;
 
 /// Metadata key on a member's snapshot image: the group snapshot's name.
@@ -204,6 +204,7 @@ enum Made {
 fn make_member(
     io: &IoCtx,
     metrics: &dyn CephObserver,
+    fence: &dyn Fence,
     source: &VolumeId,
     target: &SnapshotId,
     gid: &GroupSnapshotId,
@@ -213,7 +214,7 @@ fn make_member(
 ) -> Result<Made, VolumeError> {
     let temp = format!("{}{TEMP_SUFFIX}", target.image);
     // What an interrupted attempt left under the temporary name is redone.
-    remove_temp(io, metrics, &temp)?;
+    remove_temp(io, metrics, fence, &temp)?;
     let mut src = timed(metrics, "open", || Image::open_read_only(io, &source.image))?;
     let features = timed(metrics, "features", || src.features())?;
     let (snap_id, size) = group_snap_id(io, metrics, &src, &gid.name)?;
@@ -293,13 +294,19 @@ fn finish_member(
 /// temporary member images named after those), then its marker, whichever
 /// of them are there (a kill between the group's removal
 /// and its marker's leaves the marker alone).
-fn remove_group(io: &IoCtx, metrics: &dyn CephObserver, g: &str) -> Result<(), VolumeError> {
+fn remove_group(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    fence: &dyn Fence,
+    g: &str,
+) -> Result<(), VolumeError> {
+    fenced(fence, "rbd_group_remove", g)?;
     match timed(metrics, "group_image_list", || rbd::group_image_list(io, g)) {
         Ok(images) => {
             // What a killed or failed copy left, named after the members.
             for i in images.iter().filter(|i| i.pool_id == io.pool_id()) {
                 let member = crate::volume::image_base(&format!("{g}-{}", i.name));
-                remove_temp(io, metrics, &format!("{member}{TEMP_SUFFIX}"))?;
+                remove_temp(io, metrics, fence, &format!("{member}{TEMP_SUFFIX}"))?;
             }
             let snaps = timed(metrics, "group_snap_list", || rbd::group_snap_list(io, g))?;
             for s in snaps {
@@ -340,6 +347,7 @@ fn remove_group(io: &IoCtx, metrics: &dyn CephObserver, g: &str) -> Result<(), V
 fn take_group_snap(
     io: &IoCtx,
     metrics: &dyn CephObserver,
+    fence: &dyn Fence,
     gid: &GroupSnapshotId,
     sources: &[VolumeId],
     redo: bool,
@@ -372,6 +380,7 @@ fn take_group_snap(
         }
     }
     if redo {
+        fenced(fence, "rbd_group_snap_remove", g)?;
         timed(metrics, "group_snap_remove", || {
             rbd::group_snap_remove(io, g, GROUP_SNAP)
         })?;
@@ -388,10 +397,11 @@ fn take_group_snap(
 fn undo_scaffolding(
     io: &IoCtx,
     metrics: &dyn CephObserver,
+    fence: &dyn Fence,
     gid: &GroupSnapshotId,
     e: VolumeError,
 ) -> VolumeError {
-    if let Err(undo) = remove_group(io, metrics, &gid.name) {
+    if let Err(undo) = remove_group(io, metrics, fence, &gid.name) {
         tracing::warn!(group = %gid, error = %undo,
             "cannot remove the RBD group of a failed group snapshot; a retry, or a delete of its name, will");
     }
@@ -441,7 +451,8 @@ pub fn leave_scaffolding_groups(
         // this source the group snapshot can never be finished anyway.
         tracing::warn!(group = %g, image,
             "removing the RBD group a failed or interrupted group snapshot left, to delete one of its sources");
-        remove_group(io, metrics, &g)?;
+        // The caller asked the fence before removing the image.
+        remove_group(io, metrics, &NoFence, &g)?;
     }
     Ok(found)
 }
@@ -497,11 +508,22 @@ impl PendingCopies {
                 io.write_full(&marker(&gid.name), b"")
             })?;
             let (name, prov) = (&self.request_name, &self.provisioner);
-            make_member(&io, metrics, s, m, &gid, name, prov, Copies::Inline)?;
+            make_member(
+                &io,
+                metrics,
+                &NoFence,
+                s,
+                m,
+                &gid,
+                name,
+                prov,
+                Copies::Inline,
+            )?;
         }
         finish(
             cluster,
             metrics,
+            &NoFence,
             &io,
             &gid,
             &self.sources,
@@ -556,7 +578,7 @@ pub fn remove_abandoned_group(
             why: "it is an RBD group that no rbdkit group snapshot marks".into(),
         });
     }
-    remove_group(io, metrics, g)?;
+    remove_group(io, metrics, &NoFence, g)?;
     Ok(true)
 }
 
@@ -567,6 +589,28 @@ pub fn remove_abandoned_group(
 pub fn ensure_group_snapshot(
     cluster: &Cluster,
     metrics: &dyn CephObserver,
+    sources: &[VolumeId],
+    name: &str,
+    provisioner: &str,
+    copies: Copies,
+) -> Result<Ensured, VolumeError> {
+    ensure_group_snapshot_fenced(
+        cluster,
+        metrics,
+        &NoFence,
+        sources,
+        name,
+        provisioner,
+        copies,
+    )
+}
+
+/// [`ensure_group_snapshot`] with `fence` asked before each destructive
+/// step (the provisioner's leader lease).
+pub fn ensure_group_snapshot_fenced(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    fence: &dyn Fence,
     sources: &[VolumeId],
     name: &str,
     provisioner: &str,
@@ -628,13 +672,13 @@ pub fn ensure_group_snapshot(
                 }
                 // Any failure from here undoes the group, so no source is
                 // left in it (librbd refuses to remove an image in a group).
-                take_group_snap(&io, metrics, &gid, sources, incomplete == Some(false))
-                    .map_err(|e| undo_scaffolding(&io, metrics, &gid, e))?;
+                take_group_snap(&io, metrics, fence, &gid, sources, incomplete == Some(false))
+                    .map_err(|e| undo_scaffolding(&io, metrics, fence, &gid, e))?;
             }
         }
         let mut pending = Vec::new();
         for (s, m) in &missing {
-            let made = make_member(&io, metrics, s, m, &gid, name, provisioner, copies)?;
+            let made = make_member(&io, metrics, fence, s, m, &gid, name, provisioner, copies)?;
             if let Made::NeedsCopy(info) = made {
                 pending.push(((*s).clone(), m.clone(), info));
             }
@@ -643,19 +687,20 @@ pub fn ensure_group_snapshot(
             return pending_copies(cluster, metrics, &gid, sources, pending, name, provisioner);
         }
     }
-    finish(cluster, metrics, &io, &gid, sources, provisioner).map(Ensured::Ready)
+    finish(cluster, metrics, fence, &io, &gid, sources, provisioner).map(Ensured::Ready)
 }
 
 /// The scaffolding removed once every member exists; the group snapshot.
 fn finish(
     cluster: &Cluster,
     metrics: &dyn CephObserver,
+    fence: &dyn Fence,
     io: &IoCtx,
     gid: &GroupSnapshotId,
     sources: &[VolumeId],
     provisioner: &str,
 ) -> Result<GroupSnapshotInfo, VolumeError> {
-    remove_group(io, metrics, &gid.name)?;
+    remove_group(io, metrics, fence, &gid.name)?;
     let members = sources
         .iter()
         .map(|s| gid.member(s, SNAP_NAME))
@@ -800,6 +845,19 @@ pub fn delete_group_snapshot(
     expected: &[SnapshotId],
     provisioner: &str,
 ) -> Result<(), VolumeError> {
+    delete_group_snapshot_fenced(cluster, metrics, &NoFence, gid, expected, provisioner)
+}
+
+/// [`delete_group_snapshot`] with `fence` asked before each destructive
+/// step.
+pub fn delete_group_snapshot_fenced(
+    cluster: &Cluster,
+    metrics: &dyn CephObserver,
+    fence: &dyn Fence,
+    gid: &GroupSnapshotId,
+    expected: &[SnapshotId],
+    provisioner: &str,
+) -> Result<(), VolumeError> {
     let found = find_members(cluster, metrics, gid, provisioner)?;
     let place = VolumeId {
         cluster_id: gid.cluster_id.clone(),
@@ -820,9 +878,9 @@ pub fn delete_group_snapshot(
             });
         }
     }
-    remove_group(&io, metrics, &gid.name)?;
+    remove_group(&io, metrics, fence, &gid.name)?;
     for m in &found {
-        snap::delete_snapshot(cluster, metrics, m, provisioner)?;
+        snap::delete_snapshot_fenced(cluster, metrics, fence, m, provisioner)?;
     }
     Ok(())
 }
@@ -831,7 +889,13 @@ pub fn delete_group_snapshot(
 /// process was copying into keeps that process's watch until the OSDs time
 /// it out (`osd_client_watch_timeout`, 30 s by default): [`VolumeError::Busy`]
 /// meanwhile, which the CO retries.
-fn remove_temp(io: &IoCtx, metrics: &dyn CephObserver, temp: &str) -> Result<(), VolumeError> {
+fn remove_temp(
+    io: &IoCtx,
+    metrics: &dyn CephObserver,
+    fence: &dyn Fence,
+    temp: &str,
+) -> Result<(), VolumeError> {
+    fenced(fence, "rbd_remove", temp)?;
     match timed(metrics, "remove", || rbd::remove(io, temp)) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),

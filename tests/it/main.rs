@@ -30,6 +30,7 @@ mod kms_vault;
 mod migrate;
 mod node_e2e;
 mod node_fuse;
+mod node_group_snapshots;
 mod node_mount;
 mod node_qos;
 mod node_race;

@@ -15,7 +15,7 @@ use rbdkit::volume::{SnapshotId, VolumeId};
 
 use support::data::pattern;
 use support::k8s::ControlPlane;
-use support::manifests::{deploy_dir, parse_docs};
+use support::manifests::{apply, deploy_dir, parse_docs};
 use support::provisioner::{eventually, Env, WAIT};
 use support::snapshots::{self as snaps, SnapshotController};
 
@@ -396,29 +396,6 @@ async fn without_the_snapshot_crds_the_provisioner_says_so_and_provisions() {
     })
     .await;
     assert!(p.running(), "the provisioner exited:\n{}", p.log_tail());
-}
-
-/// Server-side applies one manifest document.
-async fn apply(client: &kube::Client, doc: &serde_json::Value) {
-    let api_version = doc["apiVersion"].as_str().unwrap();
-    let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
-    let kind = doc["kind"].as_str().unwrap();
-    let plural = format!("{}s", kind.to_lowercase()).replace("classs", "classes");
-    let ar = kube::api::ApiResource::from_gvk_with_plural(
-        &kube::api::GroupVersionKind::gvk(group, version, kind),
-        &plural,
-    );
-    let api: kube::Api<kube::api::DynamicObject> = match doc["metadata"]["namespace"].as_str() {
-        Some(ns) => kube::Api::namespaced_with(client.clone(), ns, &ar),
-        None => kube::Api::all_with(client.clone(), &ar),
-    };
-    api.patch(
-        doc["metadata"]["name"].as_str().unwrap(),
-        &kube::api::PatchParams::apply("rbdkit-tests").force(),
-        &kube::api::Patch::Apply(doc),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("apply {kind}: {e}"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

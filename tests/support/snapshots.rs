@@ -87,13 +87,13 @@ pub fn classes(client: &kube::Client) -> Api<DynamicObject> {
     Api::all_with(client.clone(), &resource("VolumeSnapshotClass"))
 }
 
-/// Installs the three v1 snapshot CRDs (server-side apply, so it is
-/// idempotent) and waits until each is Established.
+/// Installs the three snapshot and three group snapshot CRDs (server-side
+/// apply, so it is idempotent) and waits until each is Established.
 pub async fn install_crds(client: &kube::Client) {
     let files = tokio::task::spawn_blocking(|| run_script("crds"))
         .await
         .expect("crds");
-    assert_eq!(files.len(), 3, "expected three CRD files, got {files:?}");
+    assert_eq!(files.len(), 6, "expected six CRD files, got {files:?}");
     super::k8s::apply_crds(client, &files).await;
 }
 
@@ -127,9 +127,9 @@ impl SnapshotController {
             vec![
                 format!("--kubeconfig={}", kubeconfig.display()),
                 "--leader-election=false".into(),
-                // Only the v1 snapshot CRDs are installed: without this it
-                // looks for the group snapshot ones for 30 s first.
-                "--feature-gates=CSIVolumeGroupSnapshot=false".into(),
+                // The group snapshot CRDs are installed too (its default,
+                // said here so a missing CRD fails loudly in its log).
+                "--feature-gates=CSIVolumeGroupSnapshot=true".into(),
                 // Retry failed objects quickly: the tests wait on them.
                 "--retry-interval-start=500ms".into(),
                 "--retry-interval-max=5s".into(),
