@@ -68,6 +68,9 @@ pub const ANN_SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
 /// flattened in the background (removed once done).
 pub const PV_FLATTEN_ANNOTATION: &str = "rbdkit.io/flatten-pending";
 
+/// The default of `--mirror-op-timeout`.
+pub const DEFAULT_MIRROR_OP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// A claim as the claim cache keeps it.
 pub type CachedClaim = Compact<PersistentVolumeClaim>;
 /// A PV as the PV cache keeps it.
@@ -124,6 +127,8 @@ pub struct Context {
     pub legacy_secret: Option<SecretRef>,
     /// The KMS config file (read at each encrypted create).
     pub kms_config: std::path::PathBuf,
+    /// Bound on one mirror promote or demote (`--mirror-op-timeout`).
+    pub mirror_op_timeout: std::time::Duration,
     /// PVs (by uid) whose volume this process deleted, so that the echo of
     /// letting go of one (our finalizer removed, the PV still Released) is
     /// not a second delete. Lost on restart, which only costs that echo.
@@ -174,6 +179,7 @@ impl Context {
             adopt: BTreeSet::new(),
             legacy_secret: None,
             kms_config: crate::volume::kms::DEFAULT_CONFIG_PATH.into(),
+            mirror_op_timeout: DEFAULT_MIRROR_OP_TIMEOUT,
             deleted: Mutex::new(HashMap::new()),
             pv_cache: Mutex::new(None),
             class_cache: Mutex::new(None),
@@ -183,6 +189,12 @@ impl Context {
     /// Reads the KMS config for encrypted volumes from `path`.
     pub fn with_kms_config(mut self, path: std::path::PathBuf) -> Self {
         self.kms_config = path;
+        self
+    }
+
+    /// Bounds each mirror promote or demote by `timeout`.
+    pub fn with_mirror_op_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.mirror_op_timeout = timeout;
         self
     }
 

@@ -22,6 +22,7 @@
 //! - [`out_of_service`]: Nodes with the out-of-service taint fenced, their
 //!   staging locks broken, and the fence lifted when the taint goes.
 //! - [`network_fence`]: csi-addons NetworkFences (CIDR blocks fenced).
+//! - [`replication`]: csi-addons VolumeReplications (RBD mirroring).
 //!
 //! Parameters, the volume handle, the clusters config and the Ceph
 //! operations themselves are in [`crate::volume`], shared with the CSI
@@ -38,6 +39,7 @@ pub mod modify;
 pub mod network_fence;
 pub mod out_of_service;
 pub mod pv;
+pub mod replication;
 pub mod secrets;
 pub mod snapshots;
 pub mod source;
@@ -201,6 +203,19 @@ pub struct ProvisionerArgs {
     /// a log line, while the snapshot CRDs are not installed).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub snapshots: bool,
+
+    /// Handle the csi-addons VolumeReplications whose class names this
+    /// provisioner (RBD mirroring; waits, with a log line, while the
+    /// replication CRDs are not installed).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub replication: bool,
+
+    /// Bound on one mirror promote or demote. Each waits for the image's
+    /// exclusive lock, which a stuck rbd-mirror daemon may never hand over
+    /// (Ceph 16's force promote); past the bound the call is left to finish
+    /// on its own and the reconcile retries.
+    #[arg(long, default_value = "60s")]
+    pub mirror_op_timeout: humantime::Duration,
 
     /// Legacy provisioners (`ceph.com/rbd`, `kubernetes.io/rbd`,
     /// `ceph.rook.io/block`, comma-separated) whose unmigrated PVs this
@@ -378,7 +393,8 @@ pub async fn run_until(
             fence,
         )
         .with_legacy(adopt, legacy_secret)
-        .with_kms_config(args.kms_config.clone()),
+        .with_kms_config(args.kms_config.clone())
+        .with_mirror_op_timeout(args.mirror_op_timeout.into()),
     );
 
     let mut leader_rx_loop = leader_rx.clone();
@@ -404,7 +420,7 @@ pub async fn run_until(
         let work = run_controllers(
             Arc::clone(&ctx),
             args.workers,
-            args.snapshots,
+            (args.snapshots, args.replication),
             health.clone(),
             stopped(stop_rx.clone()),
             (
@@ -475,7 +491,7 @@ where
 async fn run_controllers(
     ctx: Arc<Context>,
     workers: u16,
-    with_snapshots: bool,
+    (with_snapshots, with_replication): (bool, bool),
     health: Health,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     (maintenance_delay, maintenance_interval, op_timeout): (Duration, Duration, Duration),
@@ -515,6 +531,12 @@ async fn run_controllers(
         Arc::clone(&ctx),
         config.clone(),
         with_snapshots,
+        shutdown.clone(),
+    );
+    let replication = replication::run(
+        Arc::clone(&ctx),
+        config.clone(),
+        with_replication,
         shutdown.clone(),
     );
     let nodes = out_of_service::run(Arc::clone(&ctx), config.clone(), shutdown.clone());
@@ -569,7 +591,7 @@ async fn run_controllers(
     );
     // `synced` never ends: it is dropped with the controllers.
     tokio::select! {
-        _ = async { futures::join!(claims, volumes, snapshots, group_snapshots, classes, nodes, fences) } => {}
+        _ = async { futures::join!(claims, volumes, snapshots, group_snapshots, replication, classes, nodes, fences) } => {}
         _ = synced => {}
         _ = maintenance => {}
     }

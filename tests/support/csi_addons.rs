@@ -1,4 +1,5 @@
-//! The csi-addons CRDs (NetworkFence, NetworkFenceClass) from the Go module
+//! The csi-addons CRDs of group `csiaddons.openshift.io` (NetworkFence,
+//! NetworkFenceClass, ReclaimSpaceJob, ReclaimSpaceCronJob) from the Go module
 //! pinned in `tests/csi-addons` (`scripts/csi-addons-crds`), installed once
 //! per process. No csi-addons controller runs: rbdkit's provisioner
 //! reconciles them.
@@ -32,12 +33,13 @@ pub async fn install_crds(client: &kube::Client) {
             );
             String::from_utf8_lossy(&out.stdout)
                 .lines()
+                .filter(|f| f.contains("/csiaddons.openshift.io_"))
                 .map(str::to_owned)
                 .collect::<Vec<_>>()
         })
         .await
         .expect("csi-addons-crds");
-        assert_eq!(files.len(), 2, "expected two CRD files, got {files:?}");
+        assert_eq!(files.len(), 4, "expected four CRD files, got {files:?}");
         super::k8s::apply_crds(client, &files).await;
     })
     .await;
