@@ -14,9 +14,10 @@ use serde_json::json;
 use crate::error::{Error, Result};
 use crate::rados::Secret;
 use crate::rbd::Image;
+use crate::volume::encryption::RotationKms;
 use crate::volume::encryption::{self, State};
-use crate::volume::kms::keystore::KeyStore;
-use crate::volume::kms::{self, Keys, KmsConfig, KmsKind, META_DEK};
+use crate::volume::kms::keystore::{BlockingKeyStore, KeyStore};
+use crate::volume::kms::{self, Keys, KmsConfig, KmsKind};
 use crate::volume::luks::Header;
 use crate::volume::VolumeId;
 
@@ -84,16 +85,14 @@ pub struct KmsArgs {
     pub service_account_token_file: Option<PathBuf>,
 }
 
-/// The Vault key store of `kms_id` for the volume whose image metadata is
-/// `meta`, or `None` when `kms_id` is not a Vault KMS.
+/// The Vault key store of `kms_id` for a volume of `tenant` (its key
+/// record's), or `None` when `kms_id` is not a Vault KMS.
 fn vault_store(
     rt: &tokio::runtime::Runtime,
     args: &KmsArgs,
     config: &KmsConfig,
     kms_id: &str,
-    meta: &std::collections::BTreeMap<String, String>,
-    image: &str,
-    handle: &str,
+    tenant: Option<String>,
 ) -> Result<Option<KeyStore>> {
     use crate::volume::kms::vault::{KmsContext, VaultKind};
     if !matches!(config.kind(kms_id), Ok(KmsKind::Vault)) {
@@ -125,7 +124,7 @@ fn vault_store(
     };
     let ctx = KmsContext {
         kube,
-        tenant: encryption::key_record(meta, image, handle)?.tenant,
+        tenant,
         ..Default::default()
     };
     Ok(Some(KeyStore::new(vault, ctx)))
@@ -193,6 +192,67 @@ fn format(
     Ok(())
 }
 
+/// A runtime for the KMS calls: multi-threaded, so the blocking steps of a
+/// rotation can wait on it ([`BlockingKeyStore`]).
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::from_errno(libc::EIO, "tokio runtime", e.to_string()))
+}
+
+/// The volume of `volume_id` and the passphrase of `--passphrase-file`,
+/// if given.
+fn volume_and_passphrase(volume_id: &str, args: &KmsArgs) -> Result<(VolumeId, Option<Secret>)> {
+    let vol = VolumeId::parse(volume_id)
+        .map_err(|why| Error::invalid("encryption", volume_id.to_owned(), why))?;
+    let passphrase = args
+        .passphrase_file
+        .as_deref()
+        .map(read_passphrase)
+        .transpose()?;
+    Ok((vol, passphrase))
+}
+
+/// `rotate`: [`encryption::rotation_target`] refuses what cannot be
+/// rotated, [`encryption::rotate_volume`] rotates.
+fn rotate(connect: &ConnectArgs, volume_id: &str, args: &KmsArgs, json: bool) -> Result<()> {
+    let (vol, passphrase) = volume_and_passphrase(volume_id, args)?;
+    let config = KmsConfig::load(&args.kms_config)?;
+    let c = connect.connect()?;
+    let (rec, kind) = encryption::rotation_target(&c, &vol, volume_id, &config)?;
+    let rt = runtime()?;
+    let kms = match vault_store(&rt, args, &config, &rec.kms_id, rec.tenant.clone())? {
+        Some(store) => {
+            RotationKms::Kept(Box::new(BlockingKeyStore::new(store, rt.handle().clone())))
+        }
+        None => match passphrase {
+            Some(p) => match kms::keys_for(&rec.kms_id, kind, Some(p), None)? {
+                Keys::Metadata(kek) => RotationKms::Metadata(kek),
+                _ => unreachable!("rotation_target refuses the other kinds"),
+            },
+            None => {
+                return Err(Error::invalid(
+                    "encryption",
+                    volume_id.to_owned(),
+                    format!(
+                        "KMS {:?} is not a Vault KMS: rotate needs --passphrase-file",
+                        rec.kms_id
+                    ),
+                ))
+            }
+        },
+    };
+    let slot = encryption::rotate_volume(&c, &vol, &rec, &kms)?;
+    if json {
+        println!("{}", json!({"volume": volume_id, "keyslot": slot}));
+    } else {
+        println!("{volume_id}: new passphrase in keyslot {slot}; other keyslots removed");
+    }
+    Ok(())
+}
+
 /// Runs an encryption subcommand.
 pub fn run(connect: &ConnectArgs, cmd: EncryptionCommand, json: bool) -> Result<()> {
     if let EncryptionCommand::Format {
@@ -213,93 +273,42 @@ pub fn run(connect: &ConnectArgs, cmd: EncryptionCommand, json: bool) -> Result<
     }
     let (volume_id, kms_args) = match &cmd {
         EncryptionCommand::Format { .. } => unreachable!("handled above"),
+        EncryptionCommand::Rotate { volume_id, kms } => {
+            return rotate(connect, volume_id, kms, json)
+        }
         EncryptionCommand::Status { volume_id, kms } => (volume_id, kms),
-        EncryptionCommand::Rotate { volume_id, kms } => (volume_id, kms),
     };
-    let vol = VolumeId::parse(volume_id)
-        .map_err(|why| Error::invalid("encryption", volume_id.clone(), why))?;
-    let passphrase = kms_args
-        .passphrase_file
-        .as_deref()
-        .map(read_passphrase)
-        .transpose()?;
+    let (vol, passphrase) = volume_and_passphrase(volume_id, kms_args)?;
     let c = connect.connect()?;
     let io = c.ioctx_ns(&vol.pool, &vol.rados_namespace)?;
-    let rotate = matches!(cmd, EncryptionCommand::Rotate { .. });
-    let image = if rotate {
-        Image::open(&io, &vol.image)?
-    } else {
-        Image::open_read_only(&io, &vol.image)?
-    };
+    let image = Image::open_read_only(&io, &vol.image)?;
     let meta = image.metadata_list()?;
     let state = encryption::state_of(&meta, &vol.image)?;
     let kms_id = encryption::kms_id_of(&meta);
     let key_id = encryption::key_id_of(&meta, volume_id);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| Error::from_errno(libc::EIO, "tokio runtime", e.to_string()))?;
+    let rt = runtime()?;
     let config = KmsConfig::load(&kms_args.kms_config)?;
     let store = match state {
         State::Plain => None,
-        _ => vault_store(
-            &rt, kms_args, &config, &kms_id, &meta, &vol.image, volume_id,
-        )?,
+        _ => {
+            let tenant = encryption::key_record(&meta, &vol.image, volume_id)?.tenant;
+            vault_store(&rt, kms_args, &config, &kms_id, tenant)?
+        }
     };
     let keys = match (&store, passphrase) {
-        (Some(store), _) => {
-            let p = rt.block_on(store.get(&key_id))?;
-            Some((KmsKind::Vault, Keys::Given(p)))
-        }
+        (Some(store), _) => Some(Keys::Given(rt.block_on(store.get(&key_id))?)),
         (None, None) => None,
         (None, Some(p)) => {
             let kind = config.kind(&kms_id)?;
-            Some((kind, kms::keys_for(&kms_id, kind, Some(p), None)?))
+            Some(kms::keys_for(&kms_id, kind, Some(p), None)?)
         }
     };
-    if rotate {
-        encryption::require_encrypted(state, &vol.image)?;
-        let Some((kind, keys)) = keys else {
-            return Err(Error::invalid(
-                "encryption",
-                volume_id.clone(),
-                format!("KMS {kms_id:?} is not a Vault KMS: rotate needs --passphrase-file"),
-            ));
-        };
-        let current = encryption::passphrase_of(&meta, &vol.image, &key_id, &keys)?;
-        let slot = match (&keys, &store) {
-            (Keys::Metadata(kek), _) => encryption::rotate(&image, &current, |new| {
-                image.metadata_set(META_DEK, &kms::wrap_dek(kek, &key_id, new)?)
-            })?,
-            (Keys::Given(_), Some(store)) => {
-                encryption::rotate(&image, &current, |new| rt.block_on(store.put(&key_id, new)))?
-            }
-            _ => {
-                return Err(Error::invalid(
-                    "encryption",
-                    volume_id.clone(),
-                    format!(
-                        "KMS {kms_id:?} ({kind:?}) gives every volume the Secret's own \
-                         passphrase; rotate that Secret's passphrase instead (a per-volume \
-                         rotation would lock the volume out)"
-                    ),
-                ))
-            }
-        };
-        image.close()?;
-        if json {
-            println!("{}", json!({"volume": volume_id, "keyslot": slot}));
-        } else {
-            println!("{volume_id}: new passphrase in keyslot {slot}; other keyslots removed");
-        }
-        return Ok(());
-    }
     let header = match state {
         State::Plain => None,
         _ => Some(Header::read(&image)?),
     };
     let opens = match (&header, &keys) {
-        (Some(h), Some((_, keys))) => {
+        (Some(h), Some(keys)) => {
             let p = encryption::passphrase_of(&meta, &vol.image, &key_id, keys)?;
             Some(h.unlock(&image, p.expose().as_bytes()).map(|(_, s)| s))
         }

@@ -572,17 +572,101 @@ pub fn rotate(
     Ok(new_slot)
 }
 
-/// The state of an image that must be encrypted and is not: a clear error.
-pub fn require_encrypted(state: State, image: &str) -> Result<()> {
-    if state.encrypted() {
-        Ok(())
-    } else {
-        Err(Error::with_kind(
-            ErrorKind::InvalidArgument,
-            libc::EINVAL,
+/// A KMS that keeps each volume's passphrase itself (Vault), as the
+/// blocking steps of a rotation see it
+/// ([`crate::volume::kms::keystore::BlockingKeyStore`]).
+pub trait KeptKeys: Send + Sync {
+    /// The passphrase kept under `key_id`.
+    fn get(&self, key_id: &str) -> Result<Secret>;
+    /// Keeps `passphrase` under `key_id`, replacing the one there.
+    fn put(&self, key_id: &str, passphrase: &Secret) -> Result<()>;
+}
+
+/// Where [`rotate_volume`] reads a volume's passphrase and keeps its new
+/// one.
+pub enum RotationKms {
+    /// The `metadata` KMS: the Secret's `encryptionPassphrase`, which wraps
+    /// the passphrase kept in [`META_DEK`].
+    Metadata(Secret),
+    /// A KMS that keeps the passphrases itself (Vault).
+    Kept(Box<dyn KeptKeys>),
+}
+
+/// The key record and KMS kind of volume `vol` (handle `handle`) whose
+/// passphrase is to be rotated, once it is known that it can be: the
+/// image exists, is encrypted, has its LUKS2 header, and its KMS (in
+/// `config`) keeps a passphrase per volume. Each refusal is an
+/// `InvalidArgument` error naming the volume (or `NotFound` for a missing
+/// image), and nothing is changed.
+pub fn rotation_target(
+    cluster: &crate::rados::Cluster,
+    vol: &crate::volume::VolumeId,
+    handle: &str,
+    config: &kms::KmsConfig,
+) -> Result<(KeyRecord, kms::KmsKind)> {
+    let rec = read_key_record(cluster, vol, handle)?.ok_or_else(|| {
+        Error::with_kind(
+            ErrorKind::NotFound,
+            libc::ENOENT,
             "encryption",
-            image.to_owned(),
-            format!("its {META_STATE} metadata does not say it is encrypted"),
-        ))
+            handle.to_owned(),
+            format!("its image {vol} does not exist"),
+        )
+    })?;
+    let refuse = |why: String| Err(Error::invalid("encryption", handle.to_owned(), why));
+    match rec.state {
+        State::Plain => {
+            return refuse(format!(
+                "the volume is not encrypted (its {META_STATE} metadata does not say it is): it \
+                 has no passphrase to rotate"
+            ))
+        }
+        State::Prepared => {
+            return refuse(format!(
+                "its LUKS2 header is not written yet ({META_STATE} is {STATE_PREPARED}): stage \
+                 it once, then rotate"
+            ))
+        }
+        State::Encrypted => {}
     }
+    let kind = config.kind(&rec.kms_id)?;
+    if !kind.per_volume() {
+        return refuse(format!(
+            "KMS {:?} gives every volume the Secret's own {}; rotate that Secret's \
+             passphrase instead (a per-volume rotation would lock the volume out)",
+            rec.kms_id,
+            kms::PASSPHRASE_KEY
+        ));
+    }
+    Ok((rec, kind))
+}
+
+/// Gives volume `vol` a new passphrase ([`rotate`]): the current one read
+/// from `kms` under `rec`'s key id ([`rotation_target`] gives `rec`), the
+/// new one kept there before the old keyslots go. Returns the keyslot the
+/// new passphrase opens. Re-run after a crash at any point it converges,
+/// as [`rotate`] does.
+pub fn rotate_volume(
+    cluster: &crate::rados::Cluster,
+    vol: &crate::volume::VolumeId,
+    rec: &KeyRecord,
+    kms: &RotationKms,
+) -> Result<u32> {
+    let io = cluster.ioctx_ns(&vol.pool, &vol.rados_namespace)?;
+    let image = Image::open(&io, &vol.image)?;
+    let current = match kms {
+        RotationKms::Metadata(kek) => passphrase_of(
+            &image.metadata_list()?,
+            &vol.image,
+            &rec.key_id,
+            &Keys::Metadata(kek.clone()),
+        )?,
+        RotationKms::Kept(kept) => kept.get(&rec.key_id)?,
+    };
+    let slot = rotate(&image, &current, |new| match kms {
+        RotationKms::Metadata(kek) => set(&image, META_DEK, &kms::wrap_dek(kek, &rec.key_id, new)?),
+        RotationKms::Kept(kept) => kept.put(&rec.key_id, new),
+    })?;
+    image.close()?;
+    Ok(slot)
 }

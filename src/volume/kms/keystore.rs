@@ -109,3 +109,30 @@ impl KeyStore {
         self.vault.delete(&self.ctx, key_id).await
     }
 }
+
+/// A [`KeyStore`] for blocking code (the steps of a rotation,
+/// [`crate::volume::encryption::rotate_volume`]): each call waits on the
+/// runtime of `handle`, a multi-threaded one, from a thread that is not
+/// one of its workers (a blocking task's, or one outside it).
+#[derive(Debug, Clone)]
+pub struct BlockingKeyStore {
+    store: KeyStore,
+    handle: tokio::runtime::Handle,
+}
+
+impl BlockingKeyStore {
+    /// `store`, its calls run on `handle`'s runtime.
+    pub fn new(store: KeyStore, handle: tokio::runtime::Handle) -> BlockingKeyStore {
+        BlockingKeyStore { store, handle }
+    }
+}
+
+impl crate::volume::encryption::KeptKeys for BlockingKeyStore {
+    fn get(&self, key_id: &str) -> Result<Secret> {
+        self.handle.block_on(self.store.get(key_id))
+    }
+
+    fn put(&self, key_id: &str, passphrase: &Secret) -> Result<()> {
+        self.handle.block_on(self.store.put(key_id, passphrase))
+    }
+}
