@@ -132,6 +132,29 @@ where
     }
 }
 
+/// Whether a controller of `K` is to run: `enabled` (else it says so and
+/// waits for `shutdown`) and its CRD installed ([`wait_installed`]).
+async fn start<K>(
+    what: &'static str,
+    client: &kube::Client,
+    enabled: bool,
+    shutdown: impl Future<Output = ()> + Clone,
+) -> bool
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug,
+{
+    if !enabled {
+        tracing::info!("{what}s are not handled (disabled by a flag)");
+        shutdown.await;
+        return false;
+    }
+    if !wait_installed::<K>(client, what, shutdown).await {
+        return false;
+    }
+    tracing::info!("the {what} CRD is installed: handling {what}s");
+    true
+}
+
 /// Runs a controller of `K` with `reconcile` and `error_policy` until
 /// `shutdown` resolves, once the CRD is installed ([`wait_installed`]).
 /// With `enabled` false it only waits for `shutdown`.
@@ -149,28 +172,97 @@ pub async fn run<K, R, RF, E>(
     RF: Future<Output = Result<Action, ReconcileError>> + Send + 'static,
     E: Fn(Arc<K>, &ReconcileError, Arc<Context>) -> Action,
 {
-    use futures::StreamExt;
-    if !enabled {
-        tracing::info!("{what}s are not handled (disabled by a flag)");
-        shutdown.await;
+    if !start::<K>(what, &ctx.client, enabled, shutdown.clone()).await {
         return;
     }
-    if !wait_installed::<K>(&ctx.client, what, shutdown.clone()).await {
-        return;
-    }
-    tracing::info!("the {what} CRD is installed: handling {what}s");
     let objects: Api<K> = Api::all(ctx.client.clone());
-    kube::runtime::Controller::new(
+    let controller = kube::runtime::Controller::new(
         objects,
         kube::runtime::watcher::Config::default().any_semantic(),
+    );
+    drive(
+        what,
+        controller,
+        ctx,
+        config,
+        shutdown,
+        reconcile,
+        error_policy,
     )
-    .with_config(config)
-    .graceful_shutdown_on(shutdown)
-    .run(reconcile, error_policy, ctx)
-    .for_each(|r| async move {
-        if let Err(e) = r {
-            tracing::debug!(error = %e, "{what} controller");
-        }
-    })
+    .await;
+}
+
+/// Runs `controller` until `shutdown` resolves (then lets in-flight
+/// reconciles finish).
+async fn drive<K, R, RF, E>(
+    what: &'static str,
+    controller: kube::runtime::Controller<K>,
+    ctx: Arc<Context>,
+    config: Config,
+    shutdown: impl Future<Output = ()> + Clone + Send + Sync + 'static,
+    reconcile: R,
+    error_policy: E,
+) where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    R: FnMut(Arc<K>, Arc<Context>) -> RF,
+    RF: Future<Output = Result<Action, ReconcileError>> + Send + 'static,
+    E: Fn(Arc<K>, &ReconcileError, Arc<Context>) -> Action,
+{
+    use futures::StreamExt;
+    controller
+        .with_config(config)
+        .graceful_shutdown_on(shutdown)
+        .run(reconcile, error_policy, ctx)
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "{what} controller");
+            }
+        })
+        .await;
+}
+
+/// [`run`], with an object reconciled again only when `changed` of it
+/// changes (a hash of what the reconcile acts on: its spec's generation,
+/// say), so that the reconcile's own status writes wake nothing and a
+/// retry comes from `error_policy` alone.
+#[allow(clippy::too_many_arguments)]
+pub async fn run_on_changes<K, R, RF, E>(
+    what: &'static str,
+    ctx: Arc<Context>,
+    config: Config,
+    enabled: bool,
+    shutdown: impl Future<Output = ()> + Clone + Send + Sync + 'static,
+    changed: fn(&K) -> u64,
+    reconcile: R,
+    error_policy: E,
+) where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    R: FnMut(Arc<K>, Arc<Context>) -> RF,
+    RF: Future<Output = Result<Action, ReconcileError>> + Send + 'static,
+    E: Fn(Arc<K>, &ReconcileError, Arc<Context>) -> Action,
+{
+    use kube::runtime::{reflector, watcher, WatchStreamExt};
+    if !start::<K>(what, &ctx.client, enabled, shutdown.clone()).await {
+        return;
+    }
+    let (store, writer) = reflector::store();
+    let stream = watcher(
+        Api::<K>::all(ctx.client.clone()),
+        watcher::Config::default().any_semantic(),
+    )
+    .default_backoff()
+    .reflect(writer)
+    .applied_objects()
+    .predicate_filter(move |o: &K| Some(changed(o)), Default::default());
+    let controller = kube::runtime::Controller::for_stream(stream, store);
+    drive(
+        what,
+        controller,
+        ctx,
+        config,
+        shutdown,
+        reconcile,
+        error_policy,
+    )
     .await;
 }

@@ -1022,59 +1022,37 @@ fn info_interval(params: &ReplicationParams) -> Duration {
     }
 }
 
+/// What wakes a VolumeReplication's reconcile: its spec, annotations,
+/// finalizers and deletion; not its status (our own writes).
+fn changed(vr: &VolumeReplication) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    vr.metadata.generation.hash(&mut h);
+    vr.metadata.annotations.hash(&mut h);
+    vr.metadata.finalizers.hash(&mut h);
+    vr.metadata.deletion_timestamp.is_some().hash(&mut h);
+    h.finish()
+}
+
 /// Runs the VolumeReplication controller until `shutdown` resolves; waits,
-/// logging once, while the CRD is missing.
+/// logging once, while the CRD is missing ([`crd::run_on_changes`]).
 pub async fn run(
     ctx: Arc<Context>,
     config: kube::runtime::controller::Config,
     enabled: bool,
     shutdown: impl std::future::Future<Output = ()> + Clone + Send + Sync + 'static,
 ) {
-    use futures::StreamExt;
-    use kube::runtime::{reflector, watcher, WatchStreamExt};
-    if !enabled {
-        tracing::info!(
-            "replication disabled (--replication=false): VolumeReplications are not handled"
-        );
-        shutdown.await;
-        return;
-    }
-    if !crd::wait_installed::<VolumeReplication>(&ctx.client, "VolumeReplication", shutdown.clone())
-        .await
-    {
-        return;
-    }
-    tracing::info!("replication CRDs found: handling VolumeReplications");
-    let (store, writer) = reflector::store();
-    // Status writes (ours) wake nothing; spec, annotations, finalizers and
-    // deletion do.
-    let changed = |vr: &VolumeReplication| {
-        use std::hash::{Hash, Hasher};
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        vr.metadata.generation.hash(&mut h);
-        vr.metadata.annotations.hash(&mut h);
-        vr.metadata.finalizers.hash(&mut h);
-        vr.metadata.deletion_timestamp.is_some().hash(&mut h);
-        Some(h.finish())
-    };
-    let stream = watcher(
-        Api::<VolumeReplication>::all(ctx.client.clone()),
-        watcher::Config::default().any_semantic(),
+    crd::run_on_changes(
+        "VolumeReplication",
+        ctx,
+        config,
+        enabled,
+        shutdown,
+        changed,
+        reconcile_vr,
+        vr_error_policy,
     )
-    .default_backoff()
-    .reflect(writer)
-    .applied_objects()
-    .predicate_filter(changed, Default::default());
-    kube::runtime::Controller::for_stream(stream, store)
-        .with_config(config)
-        .graceful_shutdown_on(shutdown)
-        .run(reconcile_vr, vr_error_policy, ctx)
-        .for_each(|r| async move {
-            if let Err(e) = r {
-                tracing::debug!(error = %e, "volume replication controller");
-            }
-        })
-        .await;
+    .await;
 }
 
 #[cfg(test)]
