@@ -34,24 +34,61 @@ pub(crate) async fn encryption_for(
     size: Option<u64>,
     tenant: &str,
 ) -> Result<PendingEncryption, String> {
-    use crate::volume::kms;
     if let Some(size) = size {
         crate::volume::encryption::check_size(size, e.sector_size)?;
     }
     if let Some(store) = key_store(ctx, &e.kms_id, Some(tenant), secret).await? {
         return Ok(PendingEncryption::Vault(e.clone(), Box::new(store)));
     }
-    let config = kms::KmsConfig::load(&ctx.kms_config).map_err(|e| e.to_string())?;
-    let kind = config.kind(&e.kms_id).map_err(|e| e.to_string())?;
-    let passphrase = secrets::encryption_passphrase(&ctx.client, secret).await?;
-    let keys = kms::keys_for(&e.kms_id, kind, passphrase, None)
-        .map_err(|err| format!("Secret {secret}: {err}"))?;
+    let keys = secret_keys(ctx, &e.kms_id, secret).await?;
     Ok(PendingEncryption::Ready(
         crate::volume::encryption::NewEncryption {
             params: e.clone(),
             keys,
         },
     ))
+}
+
+/// The keys of KMS `kms_id` that is not a Vault one (`default`,
+/// `metadata`): the `encryptionPassphrase` of `secret`.
+async fn secret_keys(
+    ctx: &Context,
+    kms_id: &str,
+    secret: &SecretRef,
+) -> Result<crate::volume::kms::Keys, String> {
+    use crate::volume::kms;
+    let config = kms::KmsConfig::load(&ctx.kms_config).map_err(|e| e.to_string())?;
+    let kind = config.kind(kms_id).map_err(|e| e.to_string())?;
+    let passphrase = secrets::encryption_passphrase(&ctx.client, secret).await?;
+    kms::keys_for(kms_id, kind, passphrase, None).map_err(|err| format!("Secret {secret}: {err}"))
+}
+
+/// Where a rotation of the volume whose key record is `rec` reads and
+/// keeps its passphrase ([`crate::volume::encryption::rotate_volume`]):
+/// its Vault KMS (for the record's tenant, with the data of `secret`), or
+/// the `encryptionPassphrase` of `secret` for the `metadata` KMS. Must be
+/// called on a multi-threaded runtime: the Vault calls run on it from the
+/// rotation's blocking steps.
+pub(crate) async fn rotation_kms(
+    ctx: &Context,
+    rec: &crate::volume::encryption::KeyRecord,
+    secret: &SecretRef,
+) -> Result<crate::volume::encryption::RotationKms, String> {
+    use crate::volume::encryption::RotationKms;
+    use crate::volume::kms::{keystore::BlockingKeyStore, Keys};
+    if let Some(store) = key_store(ctx, &rec.kms_id, rec.tenant.as_deref(), secret).await? {
+        let handle = tokio::runtime::Handle::current();
+        return Ok(RotationKms::Kept(Box::new(BlockingKeyStore::new(
+            store, handle,
+        ))));
+    }
+    match secret_keys(ctx, &rec.kms_id, secret).await? {
+        Keys::Metadata(kek) => Ok(RotationKms::Metadata(kek)),
+        _ => Err(format!(
+            "KMS {:?} keeps no passphrase per volume: there is none to rotate",
+            rec.kms_id
+        )),
+    }
 }
 
 /// The Vault key store of KMS `kms_id` for `tenant` with the data of

@@ -23,6 +23,8 @@
 //!   staging locks broken, and the fence lifted when the taint goes.
 //! - [`network_fence`]: csi-addons NetworkFences (CIDR blocks fenced).
 //! - [`replication`]: csi-addons VolumeReplications (RBD mirroring).
+//! - [`key_rotation`]: csi-addons EncryptionKeyRotationJobs (a new
+//!   passphrase for an encrypted volume).
 //!
 //! Parameters, the volume handle, the clusters config and the Ceph
 //! operations themselves are in [`crate::volume`], shared with the CSI
@@ -33,6 +35,7 @@ pub mod controller;
 pub mod crd;
 pub mod encryption;
 pub mod group_snapshots;
+pub mod key_rotation;
 pub mod maintenance;
 pub mod metrics;
 pub mod modify;
@@ -209,6 +212,13 @@ pub struct ProvisionerArgs {
     /// replication CRDs are not installed).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub replication: bool,
+
+    /// Handle the csi-addons EncryptionKeyRotationJobs (a new passphrase
+    /// for an encrypted volume of this provisioner; waits, with a log
+    /// line, while the CRD is not installed). Set false where csi-addons'
+    /// own controller serves another driver's jobs.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub key_rotation: bool,
 
     /// Bound on one mirror promote or demote. Each waits for the image's
     /// exclusive lock, which a stuck rbd-mirror daemon may never hand over
@@ -420,7 +430,7 @@ pub async fn run_until(
         let work = run_controllers(
             Arc::clone(&ctx),
             args.workers,
-            (args.snapshots, args.replication),
+            (args.snapshots, args.replication, args.key_rotation),
             health.clone(),
             stopped(stop_rx.clone()),
             (
@@ -491,7 +501,7 @@ where
 async fn run_controllers(
     ctx: Arc<Context>,
     workers: u16,
-    (with_snapshots, with_replication): (bool, bool),
+    (with_snapshots, with_replication, with_key_rotation): (bool, bool, bool),
     health: Health,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     (maintenance_delay, maintenance_interval, op_timeout): (Duration, Duration, Duration),
@@ -537,6 +547,12 @@ async fn run_controllers(
         Arc::clone(&ctx),
         config.clone(),
         with_replication,
+        shutdown.clone(),
+    );
+    let key_rotation = key_rotation::run(
+        Arc::clone(&ctx),
+        config.clone(),
+        with_key_rotation,
         shutdown.clone(),
     );
     let nodes = out_of_service::run(Arc::clone(&ctx), config.clone(), shutdown.clone());
@@ -591,7 +607,7 @@ async fn run_controllers(
     );
     // `synced` never ends: it is dropped with the controllers.
     tokio::select! {
-        _ = async { futures::join!(claims, volumes, snapshots, group_snapshots, replication, classes, nodes, fences) } => {}
+        _ = async { futures::join!(claims, volumes, snapshots, group_snapshots, replication, key_rotation, classes, nodes, fences) } => {}
         _ = synced => {}
         _ = maintenance => {}
     }

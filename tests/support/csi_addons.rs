@@ -1,5 +1,6 @@
 //! The csi-addons CRDs of group `csiaddons.openshift.io` (NetworkFence,
-//! NetworkFenceClass, ReclaimSpaceJob, ReclaimSpaceCronJob) from the Go module
+//! NetworkFenceClass, ReclaimSpaceJob, ReclaimSpaceCronJob,
+//! EncryptionKeyRotationJob) from the Go module
 //! pinned in `tests/csi-addons` (`scripts/csi-addons-crds`), installed once
 //! per process. No csi-addons controller runs: rbdkit's provisioner
 //! reconciles them.
@@ -39,7 +40,7 @@ pub async fn install_crds(client: &kube::Client) {
         })
         .await
         .expect("csi-addons-crds");
-        assert_eq!(files.len(), 4, "expected four CRD files, got {files:?}");
+        assert_eq!(files.len(), 5, "expected five CRD files, got {files:?}");
         super::k8s::apply_crds(client, &files).await;
     })
     .await;
