@@ -779,8 +779,7 @@ mod e2e {
     //! plugin with rbdkit-fuse, pods of the kubelet, the snapshot-controller.
     use super::*;
 
-    use kube::api::{Patch, PatchParams, PostParams};
-    use kube::Api;
+    use kube::api::PostParams;
     use serde_json::json;
 
     use support::k8s::ControlPlane;
@@ -807,16 +806,7 @@ mod e2e {
     }
 
     fn image_of(env: &Env, pv: &k8s_openapi::api::core::v1::PersistentVolume) -> VolumeId {
-        let v = VolumeId::parse(
-            &pv.spec
-                .as_ref()
-                .unwrap()
-                .csi
-                .as_ref()
-                .unwrap()
-                .volume_handle,
-        )
-        .unwrap();
+        let v = support::provisioner::volume_id(pv);
         assert_eq!(v.rados_namespace, env.rbd.name);
         v
     }
@@ -876,18 +866,7 @@ mod e2e {
                 // The KMS passphrase in the provisioner and node-stage
                 // Secrets, as ceph-csi's docs ask; the KMS config as its
                 // ConfigMap would hold it.
-                let secrets: Api<k8s_openapi::api::core::v1::Secret> =
-                    Api::namespaced(env.client.clone(), &env.ns);
-                for s in [&env.secret, &env.node_secret] {
-                    secrets
-                        .patch(
-                            s,
-                            &PatchParams::default(),
-                            &Patch::Merge(json!({"stringData": {"encryptionPassphrase": KEK}})),
-                        )
-                        .await
-                        .unwrap();
-                }
+                env.set_encryption_passphrase(KEK).await;
                 std::fs::write(
                     &kms_config,
                     json!({KMS_ID: {"encryptionKMSType": "metadata"}}).to_string(),

@@ -49,6 +49,7 @@ mod provisioner_deploy;
 mod provisioner_e2e;
 mod provisioner_fence;
 mod provisioner_foreign;
+mod provisioner_key_rotation;
 mod provisioner_legacy;
 mod provisioner_network_fence;
 mod provisioner_out_of_service;

@@ -15,7 +15,6 @@ use kube::Api;
 use serde_json::json;
 
 use rbdkit::rbd::Image;
-use rbdkit::volume::VolumeId;
 
 use support::node::{
     busybox_pod, claim_volume, create_pod, delete_pod, pod_logs, prepare_namespace, wait_phase,
@@ -208,16 +207,7 @@ async fn block_claim_bytes_written_by_a_pod_are_in_the_image() {
     assert!(out.contains("written"), "pod log: {out}");
     w.delete_pod("blockwriter").await;
 
-    let vol = VolumeId::parse(
-        &pv.spec
-            .as_ref()
-            .unwrap()
-            .csi
-            .as_ref()
-            .unwrap()
-            .volume_handle,
-    )
-    .unwrap();
+    let vol = support::provisioner::volume_id(&pv);
     let image = Image::open_read_only(&w.env.rbd.ioctx, &vol.image).unwrap();
     let mut buf = vec![0u8; 4096];
     image.read_exact(1 << 20, &mut buf).unwrap();

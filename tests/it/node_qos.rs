@@ -170,16 +170,7 @@ async fn a_class_change_throttles_a_running_pods_volume() {
     );
     // And lifted again by the next class: the image has no read limit.
     apply(unlimited.clone()).await;
-    let vol = rbdkit::volume::VolumeId::parse(
-        &pv.spec
-            .as_ref()
-            .unwrap()
-            .csi
-            .as_ref()
-            .unwrap()
-            .volume_handle,
-    )
-    .unwrap();
+    let vol = support::provisioner::volume_id(&pv);
     let img = rbdkit::rbd::Image::open_read_only(&env.rbd.ioctx, &vol.image).unwrap();
     assert!(img.metadata_get("conf_rbd_qos_read_iops_limit").is_err());
     drop(img);

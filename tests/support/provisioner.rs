@@ -55,6 +55,16 @@ pub fn storage(capacity: &Option<BTreeMap<String, Quantity>>) -> String {
         .unwrap_or_default()
 }
 
+/// The volume of a PV of the CSI driver (its handle parsed).
+pub fn volume_id(pv: &PersistentVolume) -> rbdkit::volume::VolumeId {
+    let csi = pv
+        .spec
+        .as_ref()
+        .and_then(|s| s.csi.as_ref())
+        .expect("a CSI PV");
+    rbdkit::volume::VolumeId::parse(&csi.volume_handle).expect("an rbdkit volume handle")
+}
+
 /// A PV's capacity in bytes; 0 if it has none (or it does not parse).
 pub fn pv_bytes(pv: &PersistentVolume) -> u64 {
     let q = storage(&pv.spec.as_ref().and_then(|s| s.capacity.clone()));
@@ -189,6 +199,23 @@ impl Env {
             node_secret: "ceph-node".into(),
             dir,
             classes: Vec::new(),
+        }
+    }
+
+    /// Puts `passphrase` as `encryptionPassphrase` into the provisioner and
+    /// node-stage Secrets (the `default` and `metadata` KMS read it there,
+    /// as ceph-csi's docs ask).
+    pub async fn set_encryption_passphrase(&self, passphrase: &str) {
+        let secrets: Api<K8sSecret> = Api::namespaced(self.client.clone(), &self.ns);
+        for s in [&self.secret, &self.node_secret] {
+            secrets
+                .patch(
+                    s,
+                    &PatchParams::default(),
+                    &Patch::Merge(json!({"stringData": {"encryptionPassphrase": passphrase}})),
+                )
+                .await
+                .expect("put encryptionPassphrase into the Secret");
         }
     }
 
