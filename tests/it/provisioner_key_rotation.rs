@@ -1,6 +1,7 @@
 //! csi-addons EncryptionKeyRotationJobs, reconciled by the provisioner
 //! itself (the CRD from csi-addons' Go module, no csi-addons controller),
-//! against the real cluster and API server: a job for a claim encrypted
+//! against the real cluster and API server, the provisioner running as
+//! the ServiceAccount of deploy/rbac.yaml: a job for a claim encrypted
 //! with the `metadata` KMS gives its volume a new passphrase (the old one
 //! no longer opens the LUKS2 header, the new one from the image's KMS
 //! record does, the volume key and the data are unchanged, one keyslot
@@ -27,6 +28,7 @@ use rbdkit::volume::VolumeId;
 use rbdkit::ErrorKind;
 use support::csi_addons::GROUP;
 use support::data::pattern;
+use support::manifests::{apply, deploy_dir, parse_docs};
 use support::provisioner::{eventually, from_json, volume_id, Env, WAIT};
 
 const KEK: &str = "the-kms-passphrase-of-the-ekr-secret";
@@ -95,7 +97,35 @@ async fn a_key_rotation_job_gives_an_encrypted_claim_a_new_passphrase_and_refuse
         json!({KMS_ID: {"encryptionKMSType": "metadata"}, VAULT_ID: section}).to_string(),
     )
     .unwrap();
-    let provisioner = env.start_in_process_with(&[("--kms-config", kms_config.to_str().unwrap())]);
+    // Run as the ServiceAccount of deploy/rbac.yaml.
+    let deploy = deploy_dir();
+    for file in ["namespace.yaml", "rbac.yaml"] {
+        let text = std::fs::read_to_string(deploy.join(file)).unwrap();
+        for d in &parse_docs(file, &text) {
+            apply(&env.client, d).await;
+        }
+    }
+    // What deploy/README.md says `vaulttokens` needs besides: `get` on
+    // the tenant's ConfigMaps (here in the tenant's namespace only).
+    for d in [
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+            "metadata": {"name": "vault-tenant-config", "namespace": env.ns},
+            "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]}]}),
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+            "metadata": {"name": "vault-tenant-config", "namespace": env.ns},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                "name": "vault-tenant-config"},
+            "subjects": [{"kind": "ServiceAccount", "name": "rbdkit-provisioner",
+                "namespace": "rbdkit"}]}),
+    ] {
+        apply(&env.client, &d).await;
+    }
+    let kubeconfig = env.kubeconfig_as("system:serviceaccount:rbdkit:rbdkit-provisioner");
+    let provisioner = env.start_in_process_with(&[
+        ("--kms-config", kms_config.to_str().unwrap()),
+        ("--kubeconfig", kubeconfig.to_str().unwrap()),
+        ("--leader-election-namespace", "rbdkit"),
+    ]);
     let enc = env
         .storage_class(
             "enc",
