@@ -10,7 +10,9 @@
 //! `backOffLimit`, then fails; jobs for a claim that is not encrypted, one
 //! of the `default` KMS and a missing claim fail by name at once with a
 //! Warning event, and change nothing; no passphrase reaches a status or an
-//! event.
+//! event. And on the test node: a volume staged through rbdkit-fuse keeps
+//! working through a rotation with no node step, and its next stage opens
+//! with the new passphrase.
 use crate::node_fuse::tempdir;
 use crate::support;
 
@@ -312,5 +314,134 @@ async fn a_key_rotation_job_gives_an_encrypted_claim_a_new_passphrase_and_refuse
     for secret in [KEK, old.expose(), new.expose(), &vold, &vnew] {
         assert!(!text.contains(secret), "a passphrase in a status or event");
     }
+    provisioner.stop().await;
+}
+
+/// A volume staged on the node (rbdkit-fuse) while its passphrase is
+/// rotated keeps working, with no node step: a pod that wrote before the
+/// job writes and reads again after it; the next stage opens the volume
+/// with the new passphrase and reads both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_staged_volume_keeps_working_through_a_rotation() {
+    use support::node::{
+        busybox_pod, claim_volume, create_pod, delete_pod, pod_logs, prepare_namespace, wait_phase,
+        Node, NodePlugin, POD_WAIT,
+    };
+    let node = Node::shared();
+    let mut env = Env::new("ekrs").await;
+    prepare_namespace(&env.client, &env.ns).await;
+    support::csi_addons::install_crds(&env.client).await;
+    support::artifacts::note_secret(KEK);
+    env.set_encryption_passphrase(KEK).await;
+    let dir = tempdir("ekrs");
+    let kms_config = dir.path().join("config.json");
+    std::fs::write(
+        &kms_config,
+        json!({KMS_ID: {"encryptionKMSType": "metadata"}}).to_string(),
+    )
+    .unwrap();
+    let kms_flag = kms_config.display().to_string();
+    let provisioner = env.start_in_process_with(&[("--kms-config", kms_flag.as_str())]);
+    let plugin = NodePlugin::start_with(
+        node,
+        &env.client,
+        &env.name,
+        &env.config_path(),
+        &["--kms-config".to_owned(), kms_flag.clone()],
+    )
+    .await;
+    let class = env
+        .storage_class(
+            "enc",
+            json!({"encrypted": "true", "encryptionKMSID": KMS_ID}),
+            json!({}),
+        )
+        .await;
+    env.claim("data", &class, "64Mi", &["ReadWriteOnce"], "Filesystem")
+        .await;
+    let vol = volume_id(&env.wait_bound("data").await.1);
+    let handle = vol.handle();
+    let kek = Secret::new(KEK.to_owned());
+    let dek = || {
+        let img = Image::open_read_only(&env.rbd.ioctx, &vol.image).unwrap();
+        let p = kms::unwrap_dek(&kek, &handle, &img.metadata_list().unwrap()[META_DEK]).unwrap();
+        support::artifacts::note_secret(p.expose());
+        p
+    };
+    let old = dek();
+    let mounts = json!([{"name": "data", "mountPath": "/data"}]);
+
+    // Staged and written; the job runs while the pod waits; then the
+    // pod writes and reads again on the same stage.
+    let script = "set -e; echo BEFORE > /data/before; sync -f /data/before; echo written; \
+                  while [ ! -e /data/go ] && [ $((i=i+1)) -lt 120 ]; do sleep 1; done; \
+                  echo AFTER > /data/after; sync -f /data/after; cat /data/before /data/after";
+    let pod = busybox_pod(node, "stay", script, claim_volume("data"), mounts.clone());
+    create_pod(&env.client, &env.ns, pod).await;
+    wait_phase(node, &env.client, &env.ns, "stay", &["Running"], POD_WAIT).await;
+    eventually("the pod wrote", WAIT, || async {
+        let log = pod_logs(&env.client, &env.ns, "stay").await;
+        if log.contains("written") {
+            Ok(())
+        } else {
+            Err(log)
+        }
+    })
+    .await;
+    create_job(&env, "rotate-staged", "data").await;
+    wait_result(&env, "rotate-staged", "Succeeded").await;
+    let new = dek();
+    assert_ne!(new, old, "a new passphrase in the KMS record");
+    {
+        let img = Image::open_read_only(&env.rbd.ioctx, &vol.image).unwrap();
+        let h = Header::read(&img).unwrap();
+        assert!(
+            h.unlock(&img, old.expose().as_bytes()).is_err(),
+            "the old passphrase opens"
+        );
+    }
+    // Tell the pod to go on, through the stage it has (a second pod on the
+    // same node shares the RWO volume's stage).
+    let pod = busybox_pod(
+        node,
+        "go",
+        "touch /data/go; sync -f /data/go",
+        claim_volume("data"),
+        mounts.clone(),
+    );
+    create_pod(&env.client, &env.ns, pod).await;
+    wait_phase(node, &env.client, &env.ns, "go", &["Succeeded"], POD_WAIT).await;
+    wait_phase(node, &env.client, &env.ns, "stay", &["Succeeded"], POD_WAIT).await;
+    let log = pod_logs(&env.client, &env.ns, "stay").await;
+    assert!(log.contains("BEFORE\nAFTER"), "pod log: {log}");
+    delete_pod(node, &env.client, &env.ns, "go").await;
+    delete_pod(node, &env.client, &env.ns, "stay").await;
+
+    // A new stage: the node reads the new passphrase and both files.
+    let pod = busybox_pod(
+        node,
+        "again",
+        "cat /data/before /data/after",
+        claim_volume("data"),
+        mounts,
+    );
+    create_pod(&env.client, &env.ns, pod).await;
+    wait_phase(
+        node,
+        &env.client,
+        &env.ns,
+        "again",
+        &["Succeeded"],
+        POD_WAIT,
+    )
+    .await;
+    let log = pod_logs(&env.client, &env.ns, "again").await;
+    assert!(log.contains("BEFORE\nAFTER"), "pod log: {log}");
+    delete_pod(node, &env.client, &env.ns, "again").await;
+    let text = env.event_summary("rotate-staged").await.join("\n");
+    for secret in [KEK, old.expose(), new.expose()] {
+        assert!(!text.contains(secret), "a passphrase in an event");
+    }
+    drop(plugin);
     provisioner.stop().await;
 }
