@@ -83,22 +83,40 @@ fn snapshot(env: &Env, vol: &VolumeId) -> (BTreeMap<String, String>, Vec<u32>) {
     (meta, slots)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_key_rotation_job_gives_an_encrypted_claim_a_new_passphrase_and_refuses_others() {
-    let mut env = Env::new("ekr").await;
+/// The CRDs, the `metadata` KMS's passphrase in the test's Secrets, and a
+/// KMS config of [`KMS_ID`] (`metadata`) and the entries of `more`; the
+/// config's dir and path.
+async fn prepare(env: &Env, test: &str, more: serde_json::Value) -> (tempfile::TempDir, String) {
     support::csi_addons::install_crds(&env.client).await;
     support::artifacts::note_secret(KEK);
     env.set_encryption_passphrase(KEK).await;
-    let dir = tempdir("ekr");
-    let kms_config = dir.path().join("config.json");
+    let dir = tempdir(test);
+    let path = dir.path().join("config.json");
+    let mut config = json!({KMS_ID: {"encryptionKMSType": "metadata"}});
+    if let serde_json::Value::Object(more) = more {
+        config.as_object_mut().unwrap().extend(more);
+    }
+    std::fs::write(&path, config.to_string()).unwrap();
+    (dir, path.display().to_string())
+}
+
+/// A class encrypted with the `metadata` KMS [`KMS_ID`].
+async fn metadata_class(env: &mut Env) -> String {
+    env.storage_class(
+        "enc",
+        json!({"encrypted": "true", "encryptionKMSID": KMS_ID}),
+        json!({}),
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_rotation_job_gives_an_encrypted_claim_a_new_passphrase_and_refuses_others() {
+    let mut env = Env::new("ekr").await;
     // And a Vault KMS (`vaulttokens`, the token in the claim's namespace).
     let vault = support::kms::VaultServer::shared().await;
     let (section, mount) = support::kms::vaulttokens_kms(vault, &env.client, &env.ns).await;
-    std::fs::write(
-        &kms_config,
-        json!({KMS_ID: {"encryptionKMSType": "metadata"}, VAULT_ID: section}).to_string(),
-    )
-    .unwrap();
+    let (_dir, kms_config) = prepare(&env, "ekr", json!({ VAULT_ID: section })).await;
     // Run as the ServiceAccount of deploy/rbac.yaml.
     let deploy = deploy_dir();
     for file in ["namespace.yaml", "rbac.yaml"] {
@@ -124,17 +142,11 @@ async fn a_key_rotation_job_gives_an_encrypted_claim_a_new_passphrase_and_refuse
     }
     let kubeconfig = env.kubeconfig_as("system:serviceaccount:rbdkit:rbdkit-provisioner");
     let provisioner = env.start_in_process_with(&[
-        ("--kms-config", kms_config.to_str().unwrap()),
+        ("--kms-config", kms_config.as_str()),
         ("--kubeconfig", kubeconfig.to_str().unwrap()),
         ("--leader-election-namespace", "rbdkit"),
     ]);
-    let enc = env
-        .storage_class(
-            "enc",
-            json!({"encrypted": "true", "encryptionKMSID": KMS_ID}),
-            json!({}),
-        )
-        .await;
+    let enc = metadata_class(&mut env).await;
     let shared = env
         .storage_class("shared", json!({"encrypted": "true"}), json!({}))
         .await;
@@ -330,17 +342,7 @@ async fn a_staged_volume_keeps_working_through_a_rotation() {
     let node = Node::shared();
     let mut env = Env::new("ekrs").await;
     prepare_namespace(&env.client, &env.ns).await;
-    support::csi_addons::install_crds(&env.client).await;
-    support::artifacts::note_secret(KEK);
-    env.set_encryption_passphrase(KEK).await;
-    let dir = tempdir("ekrs");
-    let kms_config = dir.path().join("config.json");
-    std::fs::write(
-        &kms_config,
-        json!({KMS_ID: {"encryptionKMSType": "metadata"}}).to_string(),
-    )
-    .unwrap();
-    let kms_flag = kms_config.display().to_string();
+    let (_dir, kms_flag) = prepare(&env, "ekrs", json!({})).await;
     let provisioner = env.start_in_process_with(&[("--kms-config", kms_flag.as_str())]);
     let plugin = NodePlugin::start_with(
         node,
@@ -350,13 +352,7 @@ async fn a_staged_volume_keeps_working_through_a_rotation() {
         &["--kms-config".to_owned(), kms_flag.clone()],
     )
     .await;
-    let class = env
-        .storage_class(
-            "enc",
-            json!({"encrypted": "true", "encryptionKMSID": KMS_ID}),
-            json!({}),
-        )
-        .await;
+    let class = metadata_class(&mut env).await;
     env.claim("data", &class, "64Mi", &["ReadWriteOnce"], "Filesystem")
         .await;
     let vol = volume_id(&env.wait_bound("data").await.1);
