@@ -310,6 +310,86 @@ impl ImageLock {
     }
 }
 
+/// The header xattr, followed by the node id, asking that node to reclaim
+/// the image's free space (its value: the request's id).
+const RECLAIM_REQUEST_XATTR: &str = "rbdkit.reclaim.request.";
+/// The header xattr, followed by the node id, with that node's answer
+/// ([`ReclaimDone`]).
+const RECLAIM_DONE_XATTR: &str = "rbdkit.reclaim.done.";
+
+/// A node's answer to a space reclaim request
+/// ([`ImageLock::request_reclaim`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReclaimDone {
+    /// The request's id.
+    pub id: String,
+    /// Whether it was done.
+    pub ok: bool,
+    /// What was done, or why not.
+    pub message: String,
+    /// Bytes the filesystem trimmed (as `fstrim` counts them: the free
+    /// space it discarded, not all of it newly freed).
+    pub trimmed: u64,
+}
+
+impl ImageLock {
+    /// Asks `node_id` to reclaim the image's free space (request `id`;
+    /// asking again with the same id changes nothing). The node plugin
+    /// answers with [`ImageLock::set_reclaim_done`].
+    pub fn request_reclaim(&self, node_id: &str, id: &str) -> Result<()> {
+        self.io.xattr_set(
+            &self.oid,
+            &format!("{RECLAIM_REQUEST_XATTR}{node_id}"),
+            id.as_bytes(),
+        )
+    }
+
+    /// The reclaim request for `node_id`, if any.
+    pub fn reclaim_request(&self, node_id: &str) -> Result<Option<String>> {
+        match self
+            .io
+            .xattr_get(&self.oid, &format!("{RECLAIM_REQUEST_XATTR}{node_id}"))
+        {
+            Ok(v) => Ok(Some(String::from_utf8_lossy(&v).into_owned())),
+            Err(e) if is_missing(&e) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// `node_id`'s latest answer, if any (an unreadable one is none).
+    pub fn reclaim_done(&self, node_id: &str) -> Result<Option<ReclaimDone>> {
+        match self
+            .io
+            .xattr_get(&self.oid, &format!("{RECLAIM_DONE_XATTR}{node_id}"))
+        {
+            Ok(v) => Ok(serde_json::from_slice(&v).ok()),
+            Err(e) if is_missing(&e) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Records `node_id`'s answer to a reclaim request.
+    pub fn set_reclaim_done(&self, node_id: &str, done: &ReclaimDone) -> Result<()> {
+        let value = serde_json::to_vec(done).unwrap_or_default();
+        self.io
+            .xattr_set(&self.oid, &format!("{RECLAIM_DONE_XATTR}{node_id}"), &value)
+    }
+
+    /// The nodes holding the staging lock (by cookie), sorted, and whether
+    /// it is held exclusively.
+    pub fn staged_on(&self) -> Result<(Vec<String>, bool)> {
+        let h = self.holders()?;
+        let mut nodes: Vec<String> = h
+            .lockers
+            .iter()
+            .filter_map(|l| node_of(&l.cookie).map(str::to_owned))
+            .collect();
+        nodes.sort();
+        nodes.dedup();
+        Ok((nodes, h.exclusive))
+    }
+}
+
 /// A missing xattr: `ENODATA` (or `ENOENT` from an older OSD).
 fn is_missing(e: &Error) -> bool {
     e.errno() == libc::ENODATA || e.kind() == ErrorKind::NotFound
