@@ -59,6 +59,14 @@ macro_rules! cluster_resource {
 }
 pub(crate) use cluster_resource;
 
+/// [`resource_impl`] for a namespaced type.
+macro_rules! namespaced_resource {
+    ($ty:ty, $($rest:tt)*) => {
+        $crate::provisioner::crd::resource_impl!($ty, kube::core::NamespaceResourceScope, $($rest)*);
+    };
+}
+pub(crate) use namespaced_resource;
+
 /// How often a provisioner without a CRD looks for it again.
 pub const CRD_POLL: Duration = Duration::from_secs(30);
 

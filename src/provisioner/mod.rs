@@ -22,6 +22,8 @@
 //! - [`out_of_service`]: Nodes with the out-of-service taint fenced, their
 //!   staging locks broken, and the fence lifted when the taint goes.
 //! - [`network_fence`]: csi-addons NetworkFences (CIDR blocks fenced).
+//! - [`reclaim`]: csi-addons ReclaimSpaceJobs and ReclaimSpaceCronJobs, and
+//!   claims' reclaim schedules ([`cron`]).
 //!
 //! Parameters, the volume handle, the clusters config and the Ceph
 //! operations themselves are in [`crate::volume`], shared with the CSI
@@ -30,6 +32,7 @@
 pub mod content;
 pub mod controller;
 pub mod crd;
+pub mod cron;
 pub mod encryption;
 pub mod group_snapshots;
 pub mod maintenance;
@@ -38,6 +41,7 @@ pub mod modify;
 pub mod network_fence;
 pub mod out_of_service;
 pub mod pv;
+pub mod reclaim;
 pub mod secrets;
 pub mod snapshots;
 pub mod source;
@@ -201,6 +205,14 @@ pub struct ProvisionerArgs {
     /// a log line, while the snapshot CRDs are not installed).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub snapshots: bool,
+
+    /// Reconcile csi-addons ReclaimSpaceJobs and ReclaimSpaceCronJobs of
+    /// this provisioner's claims, and turn a claim's
+    /// `reclaimspace.csiaddons.openshift.io/schedule` annotation into a
+    /// ReclaimSpaceCronJob (waits, with a log line, while the CRDs are not
+    /// installed).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub reclaim_space: bool,
 
     /// Legacy provisioners (`ceph.com/rbd`, `kubernetes.io/rbd`,
     /// `ceph.rook.io/block`, comma-separated) whose unmigrated PVs this
@@ -378,7 +390,8 @@ pub async fn run_until(
             fence,
         )
         .with_legacy(adopt, legacy_secret)
-        .with_kms_config(args.kms_config.clone()),
+        .with_kms_config(args.kms_config.clone())
+        .with_reclaim_space(args.reclaim_space),
     );
 
     let mut leader_rx_loop = leader_rx.clone();
@@ -519,6 +532,12 @@ async fn run_controllers(
     );
     let nodes = out_of_service::run(Arc::clone(&ctx), config.clone(), shutdown.clone());
     let fences = network_fence::run(Arc::clone(&ctx), config.clone(), shutdown.clone());
+    let reclaims = reclaim::run(
+        Arc::clone(&ctx),
+        config.clone(),
+        ctx.reclaim_space,
+        shutdown.clone(),
+    );
     let strip = Arc::clone(&ctx);
     let pv_controller = Controller::for_stream(
         watch_all(pvs)
@@ -569,7 +588,7 @@ async fn run_controllers(
     );
     // `synced` never ends: it is dropped with the controllers.
     tokio::select! {
-        _ = async { futures::join!(claims, volumes, snapshots, group_snapshots, classes, nodes, fences) } => {}
+        _ = async { futures::join!(claims, volumes, snapshots, group_snapshots, classes, nodes, fences, reclaims) } => {}
         _ = synced => {}
         _ = maintenance => {}
     }

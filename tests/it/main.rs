@@ -34,6 +34,7 @@ mod node_group_snapshots;
 mod node_mount;
 mod node_qos;
 mod node_race;
+mod node_reclaim;
 mod parsers_prop;
 mod provisioner_apiserver_restart;
 mod provisioner_bad_input;

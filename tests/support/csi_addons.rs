@@ -1,6 +1,6 @@
-//! The csi-addons CRDs (NetworkFence, NetworkFenceClass) from the Go module
-//! pinned in `tests/csi-addons` (`scripts/csi-addons-crds`), installed once
-//! per process. No csi-addons controller runs: rbdkit's provisioner
+//! The csi-addons CRDs (NetworkFence, NetworkFenceClass, ReclaimSpaceJob,
+//! ReclaimSpaceCronJob) from the Go module pinned in `tests/csi-addons`
+//! (`scripts/csi-addons-crds`), installed once per process. No csi-addons controller runs: rbdkit's provisioner
 //! reconciles them.
 
 use std::path::Path;
@@ -37,7 +37,7 @@ pub async fn install_crds(client: &kube::Client) {
         })
         .await
         .expect("csi-addons-crds");
-        assert_eq!(files.len(), 2, "expected two CRD files, got {files:?}");
+        assert_eq!(files.len(), 4, "expected four CRD files, got {files:?}");
         super::k8s::apply_crds(client, &files).await;
     })
     .await;
@@ -49,4 +49,13 @@ pub fn cluster_api(client: &kube::Client, kind: &str) -> Api<DynamicObject> {
     let r =
         ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, "v1alpha1", kind), &plural);
     Api::all_with(client.clone(), &r)
+}
+
+/// A namespaced csi-addons kind (`ReclaimSpaceJob`,
+/// `ReclaimSpaceCronJob`) in `ns`.
+pub fn namespaced_api(client: &kube::Client, ns: &str, kind: &str) -> Api<DynamicObject> {
+    let plural = format!("{}s", kind.to_lowercase());
+    let r =
+        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, "v1alpha1", kind), &plural);
+    Api::namespaced_with(client.clone(), ns, &r)
 }
