@@ -65,6 +65,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::storage::v1::StorageClass;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{
     Api, ApiResource, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams,
@@ -294,7 +295,22 @@ pub async fn claim_target(ctx: &Context, ns: &str, name: &str) -> Result<ClaimTa
         .and_then(|s| s.volume_name.clone())
         .filter(|v| !v.is_empty())
     else {
-        return Ok(if for_provisioner(&claim, &ctx.name) {
+        // Ours when handed to us, or when its class names us (a
+        // WaitForFirstConsumer claim is handed over only once scheduled).
+        let class = claim
+            .spec
+            .as_ref()
+            .and_then(|s| s.storage_class_name.clone())
+            .filter(|c| !c.is_empty());
+        let ours = for_provisioner(&claim, &ctx.name)
+            || match class {
+                Some(c) => Api::<StorageClass>::all(ctx.client.clone())
+                    .get_opt(&c)
+                    .await?
+                    .is_some_and(|c| c.provisioner == ctx.name),
+                None => false,
+            };
+        return Ok(if ours {
             ClaimTarget::Pending(format!(
                 "PersistentVolumeClaim {ns}/{name} is not bound yet"
             ))
@@ -344,6 +360,41 @@ fn job_key(job: &ReclaimSpaceJob) -> String {
     )
 }
 
+/// When each job that failed an attempt may try again (by provisioner name
+/// and [`job_key`]). A failed attempt writes the job's status, whose echo
+/// would otherwise start the next attempt at once and spend
+/// `backOffLimit` in a second: the backoff is kept here instead. Lost on
+/// restart, which costs one early attempt.
+static NEXT_TRY: std::sync::LazyLock<std::sync::Mutex<std::collections::HashMap<String, Instant>>> =
+    std::sync::LazyLock::new(Default::default);
+
+fn next_try_key(ctx: &Context, job: &ReclaimSpaceJob) -> String {
+    format!("{}/{}", ctx.name, job_key(job))
+}
+
+/// How long the job waits before its next attempt, if it must.
+fn backing_off(ctx: &Context, job: &ReclaimSpaceJob) -> Option<Duration> {
+    let next = NEXT_TRY.lock().unwrap_or_else(|e| e.into_inner());
+    next.get(&next_try_key(ctx, job))
+        .and_then(|at| at.checked_duration_since(Instant::now()))
+        .filter(|d| !d.is_zero())
+}
+
+fn set_next_try(ctx: &Context, job: &ReclaimSpaceJob, after: Option<Duration>) {
+    let mut next = NEXT_TRY.lock().unwrap_or_else(|e| e.into_inner());
+    let now = Instant::now();
+    next.retain(|_, at| *at > now);
+    let key = next_try_key(ctx, job);
+    match after {
+        Some(d) => {
+            next.insert(key, now + d);
+        }
+        None => {
+            next.remove(&key);
+        }
+    }
+}
+
 /// The job as the API server has it now, unless it is done or gone (the
 /// cache may not have our own last status write yet: a job done just now
 /// is not done again).
@@ -373,6 +424,9 @@ pub async fn reconcile_job(
     if done || job.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change());
     }
+    if let Some(wait) = backing_off(&ctx, &job) {
+        return Ok(Action::requeue(wait));
+    }
     let ns = job.namespace().unwrap_or_default();
     let target = claim_target(&ctx, &ns, &job.spec.target.persistent_volume_claim).await?;
     if target == ClaimTarget::Foreign {
@@ -394,6 +448,7 @@ pub async fn reconcile_job(
     };
     if out.is_ok() {
         ctx.pv_failures.succeeded(&job_key(&job));
+        set_next_try(&ctx, &job, None);
     }
     out
 }
@@ -405,7 +460,12 @@ pub fn job_error_policy(
     ctx: Arc<Context>,
 ) -> Action {
     let key = job_key(&job);
-    let delay = ctx.pv_failures.failed(&key);
+    // A failed attempt set its backoff already ([`retry`]).
+    let delay = backing_off(&ctx, &job).unwrap_or_else(|| {
+        let d = ctx.pv_failures.failed(&key);
+        set_next_try(&ctx, &job, Some(d));
+        d
+    });
     tracing::warn!(job = %key, error = %err, retry_in = ?delay, "reclaim space job not done; will retry");
     Action::requeue(delay)
 }
@@ -466,6 +526,9 @@ async fn retry(
         let why = format!("{why} (failed {retries} times; backOffLimit is {back_off})");
         return fail(ctx, job, &why, Some(retries)).await;
     }
+    // The backoff before the status write, whose echo comes back at once.
+    let delay = ctx.pv_failures.failed(&job_key(job));
+    set_next_try(ctx, job, Some(delay));
     patch_job_status(ctx, job, json!({"retries": retries, "message": clip(&why)})).await?;
     Err(ReconcileError(why))
 }

@@ -14,8 +14,13 @@
 //! - the volume unstaged, a job has the provisioner sparsify it: the file
 //!   of zeroes no longer takes space in the pool;
 //! - bad input is named: a job for a claim that does not exist is Failed
-//!   saying so (status and event), and a schedule that does not parse (on
-//!   a claim, on a cron job) is refused in a Warning event.
+//!   saying so (status and event), one for a claim not bound yet is Failed
+//!   past its backOffLimit after the provisioner's backoff, and a schedule
+//!   that does not parse (on a claim, on a cron job) is refused in a
+//!   Warning event.
+//!
+//! And a job survives kill -9 of the provisioner (a child process) while
+//! it waits for the node, measured from the usage recorded before.
 use crate::support;
 
 use std::collections::BTreeMap;
@@ -154,6 +159,43 @@ async fn space_freed_in_a_pod_returns_to_the_pool_after_a_reclaim() {
     );
     env.wait_event("nosuch", "ReclaimSpaceFailed", &["missing", "not found"])
         .await;
+
+    // A claim of ours not bound yet (WaitForFirstConsumer, no pod): each
+    // attempt fails, after the provisioner's backoff (500 ms doubling
+    // here), and the job is Failed past its backOffLimit, saying why.
+    let later = env
+        .storage_class(
+            "wffc",
+            json!({"csi.storage.k8s.io/fstype": "ext4"}),
+            json!({"volumeBindingMode": "WaitForFirstConsumer"}),
+        )
+        .await;
+    env.claim("later", &later, "32Mi", &["ReadWriteOnce"], "Filesystem")
+        .await;
+    let started = Instant::now();
+    jobs.create(
+        &PostParams::default(),
+        &from_json(json!({
+            "apiVersion": "csiaddons.openshift.io/v1alpha1",
+            "kind": "ReclaimSpaceJob",
+            "metadata": {"name": "unbound"},
+            "spec": {"target": {"persistentVolumeClaim": "later"}, "backOffLimit": 2},
+        })),
+    )
+    .await
+    .expect("create ReclaimSpaceJob unbound");
+    let job = wait_result(&jobs, "unbound", "Failed").await;
+    let took = started.elapsed();
+    let m = message(&job);
+    assert!(
+        m.contains("later") && m.contains("not bound yet") && m.contains("backOffLimit is 2"),
+        "{m}"
+    );
+    assert_eq!(job.data["status"]["retries"], 3, "{}", job.data["status"]);
+    assert!(
+        took >= std::time::Duration::from_millis(1400),
+        "three attempts 0.5 s and 1 s apart took only {took:?}"
+    );
 
     // Written and deleted, and zeroes written and kept; the pod stays, so
     // the volume stays staged.
@@ -366,7 +408,7 @@ async fn space_freed_in_a_pod_returns_to_the_pool_after_a_reclaim() {
         "only {freed} of the {zeroes} bytes of zeroes returned"
     );
 
-    for j in ["now", "nosuch", "offline"] {
+    for j in ["now", "nosuch", "unbound", "offline"] {
         let _ = jobs.delete(j, &DeleteParams::default()).await;
     }
     let _ = crons.delete("badcron", &DeleteParams::default()).await;
@@ -374,5 +416,123 @@ async fn space_freed_in_a_pod_returns_to_the_pool_after_a_reclaim() {
     env.wait_gone(&env.pvs(), pv.metadata.name.as_deref().unwrap())
         .await;
     provisioner.stop().await;
+    drop(plugin);
+}
+
+/// A provisioner killed with SIGKILL while a job waits for the node, and a
+/// new one started: the job is resumed with the same request and measured
+/// from the usage recorded before the node was asked (a re-measure after
+/// the trim would report nothing reclaimed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_job_survives_kill_9_of_the_provisioner_and_reports_from_before() {
+    let node = Node::shared();
+    let mut env = Env::new("reclaimk").await;
+    prepare_namespace(&env.client, &env.ns).await;
+    support::csi_addons::install_crds(&env.client).await;
+    let mut first = env.start_process("crash-1");
+    // The node looks seldom, so the provisioner dies while it waits.
+    let plugin = NodePlugin::start_with(
+        node,
+        &env.client,
+        &env.name,
+        &env.config_path(),
+        &["--reclaim-poll".into(), "8s".into()],
+    )
+    .await;
+    let class = env
+        .storage_class(
+            "fs",
+            json!({"csi.storage.k8s.io/fstype": "ext4"}),
+            json!({}),
+        )
+        .await;
+    env.claim("data", &class, "128Mi", &["ReadWriteOnce"], "Filesystem")
+        .await;
+    let (_, pv) = env.wait_bound("data").await;
+    let image = VolumeId::parse(
+        &pv.spec
+            .as_ref()
+            .unwrap()
+            .csi
+            .as_ref()
+            .unwrap()
+            .volume_handle,
+    )
+    .unwrap()
+    .image;
+    let file_mib = 48u64;
+    let script = format!(
+        "set -e; dd if=/dev/urandom of=/data/big bs=1M count={file_mib} conv=fsync 2>/dev/null; \
+         sync; rm /data/big; sync; echo deleted; sleep 3600"
+    );
+    let mount = json!([{"name": "data", "mountPath": "/data"}]);
+    create_pod(
+        &env.client,
+        &env.ns,
+        busybox_pod(node, "app", &script, claim_volume("data"), mount),
+    )
+    .await;
+    wait_phase(node, &env.client, &env.ns, "app", &["Running"], POD_WAIT).await;
+    eventually("the pod deleted its file", WAIT, || async {
+        let log = pod_logs(&env.client, &env.ns, "app").await;
+        if log.contains("deleted") {
+            Ok(())
+        } else {
+            Err(log)
+        }
+    })
+    .await;
+    let written = used(&env, &image);
+
+    let jobs = support::csi_addons::namespaced_api(&env.client, &env.ns, "ReclaimSpaceJob");
+    create_job(&jobs, "crash", "data").await;
+    let waiting = eventually("the job waiting for the node", WAIT, || async {
+        let j = jobs.get("crash").await.map_err(|e| e.to_string())?;
+        let asked = message(&j).contains("waiting for node");
+        let recorded = j
+            .metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key("rbdkit.io/reclaim-used-before"));
+        if asked && recorded {
+            Ok(j)
+        } else {
+            Err(format!("{:?} {}", j.metadata.annotations, j.data["status"]))
+        }
+    })
+    .await;
+    first.kill9();
+    assert!(
+        waiting.data["status"]["result"]
+            .as_str()
+            .unwrap_or("")
+            .is_empty(),
+        "still running when killed: {}",
+        waiting.data["status"]
+    );
+    let mut second = env.start_process("crash-2");
+    let job = wait_result(&jobs, "crash", "Succeeded").await;
+    let after = used(&env, &image);
+    let reported = reclaimed(&job);
+    let m = message(&job);
+    eprintln!(
+        "reclaim across kill -9: {written} bytes allocated before, {after} after; reclaimedSpace \
+         {reported} bytes ({:.1} MiB of a {file_mib} MiB file); {m}",
+        mib(reported)
+    );
+    let file = file_mib << 20;
+    assert!(m.contains("fstrim"), "{m}");
+    assert!(
+        reported >= file * 3 / 4,
+        "measured from before the kill: reclaimedSpace {reported} of the file's {file} bytes"
+    );
+    assert!(written.saturating_sub(after) >= file * 3 / 4);
+
+    delete_pod(node, &env.client, &env.ns, "app").await;
+    let _ = jobs.delete("crash", &DeleteParams::default()).await;
+    env.delete_claim("data").await;
+    env.wait_gone(&env.pvs(), pv.metadata.name.as_deref().unwrap())
+        .await;
+    second.kill9();
     drop(plugin);
 }
