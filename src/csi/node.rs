@@ -243,6 +243,9 @@ pub struct NodeService {
     read_affinity: ReadAffinityFlags,
     /// The cgroup v2 mount krbd volumes' `io.max` is written under.
     cgroup_root: PathBuf,
+    /// The header object of each staged volume, by volume id, once read:
+    /// a reclaim pass then reads one xattr per volume and opens no image.
+    header_oids: std::sync::Mutex<HashMap<String, String>>,
 }
 
 /// `--enable-read-affinity`, `--crush-location-labels`, and the node's
@@ -284,6 +287,7 @@ impl NodeService {
             default_fs: "ext4".to_owned(),
             read_affinity: ReadAffinityFlags::default(),
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
+            header_oids: std::sync::Mutex::new(HashMap::new()),
         }
     }
 
@@ -1022,8 +1026,9 @@ impl NodeService {
     /// `fstrim` of a staged filesystem ([`fs::trim`], bounded by
     /// [`fs::TRIM_TIMEOUT`]); nothing for a Block volume, whose free space
     /// only its user knows (`blkdiscard` would erase it; the user's own
-    /// discards reach the image as they are issued). One header read per
-    /// staged volume, as the Ceph user that staged it, with the credentials
+    /// discards reach the image as they are issued). One xattr read of the
+    /// image's header object per staged volume (the object's name is read
+    /// once per stage), as the Ceph user that staged it, with the credentials
     /// an earlier call brought (a volume of a user none has brought since
     /// this server started waits for one). A request answered already (the
     /// same id) is not run again, and a volume busy with another call is
@@ -1033,6 +1038,7 @@ impl NodeService {
             return 0;
         };
         let mut answered = 0;
+        let mut staged = std::collections::HashSet::new();
         for entry in entries.flatten() {
             let p = entry.path();
             if p.extension().and_then(|e| e.to_str()) != Some("path") {
@@ -1049,6 +1055,7 @@ impl NodeService {
             if stash.read_only || stash.lock.is_none() || stash.device.is_none() {
                 continue;
             }
+            staged.insert(stash.volume_id.clone());
             match self.answer_reclaim(&stash, &staging).await {
                 Ok(true) => answered += 1,
                 Ok(false) => {}
@@ -1057,6 +1064,10 @@ impl NodeService {
                 }
             }
         }
+        self.header_oids
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|id, _| staged.contains(id));
         answered
     }
 
@@ -1076,15 +1087,47 @@ impl NodeService {
         let Some(conn) = conn else {
             return Ok(false);
         };
+        let cached = self
+            .header_oids
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&stash.volume_id)
+            .cloned();
+        let oid = match cached {
+            Some(o) => o,
+            None => {
+                let o = self
+                    .lock_on(&conn, &vol, |l| Ok(l.oid().to_owned()))
+                    .await?;
+                self.header_oids
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(stash.volume_id.clone(), o.clone());
+                o
+            }
+        };
         let n = self.driver.node_id.clone();
+        let (v, o) = (vol.clone(), oid.clone());
         let (asked, done) = self
-            .lock_on(&conn, &vol, move |l| {
-                Ok((l.reclaim_request(&n)?, l.reclaim_done(&n)?))
+            .driver
+            .ceph(&conn, move |c, _m| {
+                let io = c.ioctx_ns(&v.pool, &v.rados_namespace)?;
+                let Some(id) = stage_lock::reclaim_request_at(&io, &o, &n)? else {
+                    return Ok((None, None));
+                };
+                Ok((Some(id), stage_lock::reclaim_done_at(&io, &o, &n)?))
             })
-            .await?;
-        let id = match asked {
-            Some(id) if done.as_ref().is_none_or(|d| d.id != id) => id,
-            _ => return Ok(false),
+            .await
+            .map_err(ceph_call_status)?;
+        let id = match (asked, done) {
+            (Some(id), Some(d)) if d.id == id => {
+                // Answered, but the request not taken away (a crash in
+                // between): take it away now.
+                self.record_reclaim_answer(&conn, &vol, &oid, d).await?;
+                return Ok(false);
+            }
+            (Some(id), _) => id,
+            (None, _) => return Ok(false),
         };
         // Busy with a stage, unstage or expansion: the next pass.
         let Ok(_busy) = self.driver.begin(&stash.volume_id) else {
@@ -1138,10 +1181,29 @@ impl NodeService {
             }
         };
         tracing::info!(volume = %vol, ok = answer.ok, message = %answer.message, "space reclaim request answered");
-        let n = self.driver.node_id.clone();
-        self.lock_on(&conn, &vol, move |l| l.set_reclaim_done(&n, &answer))
+        self.record_reclaim_answer(&conn, &vol, &oid, answer)
             .await?;
         Ok(true)
+    }
+
+    /// Writes this node's answer to a reclaim request on the header object
+    /// `oid` and takes the request away ([`stage_lock::answer_reclaim_at`]).
+    async fn record_reclaim_answer(
+        &self,
+        conn: &crate::volume::clusters::Conn,
+        vol: &VolumeId,
+        oid: &str,
+        answer: stage_lock::ReclaimDone,
+    ) -> Result<(), Status> {
+        let n = self.driver.node_id.clone();
+        let (v, o) = (vol.clone(), oid.to_owned());
+        self.driver
+            .ceph(conn, move |c, _m| {
+                let io = c.ioctx_ns(&v.pool, &v.rados_namespace)?;
+                Ok(stage_lock::answer_reclaim_at(&io, &o, &n, &answer)?)
+            })
+            .await
+            .map_err(ceph_call_status)
     }
 
     /// Runs [`NodeService::reclaim_pass`] every `interval` until `stop`.

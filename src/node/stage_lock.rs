@@ -332,10 +332,48 @@ pub struct ReclaimDone {
     pub trimmed: u64,
 }
 
+/// The reclaim request for `node_id` on the image whose header object is
+/// `oid` (see [`ImageLock::oid`]), if any: one xattr read, for a node that
+/// looks often and knows the header already.
+pub fn reclaim_request_at(io: &IoCtx, oid: &str, node_id: &str) -> Result<Option<String>> {
+    match io.xattr_get(oid, &format!("{RECLAIM_REQUEST_XATTR}{node_id}")) {
+        Ok(v) => Ok(Some(String::from_utf8_lossy(&v).into_owned())),
+        Err(e) if is_missing(&e) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// `node_id`'s latest answer to a reclaim request on the image whose
+/// header object is `oid`, if any (an unreadable one is none).
+pub fn reclaim_done_at(io: &IoCtx, oid: &str, node_id: &str) -> Result<Option<ReclaimDone>> {
+    match io.xattr_get(oid, &format!("{RECLAIM_DONE_XATTR}{node_id}")) {
+        Ok(v) => Ok(serde_json::from_slice(&v).ok()),
+        Err(e) if is_missing(&e) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Records `node_id`'s answer, then takes its request away if it is still
+/// the one answered, so a node looking for requests reads one missing
+/// xattr per image in the steady state. (A request made anew between the
+/// two is taken away too; its maker, seeing no answer with its id and no
+/// request, asks again.)
+pub fn answer_reclaim_at(io: &IoCtx, oid: &str, node_id: &str, done: &ReclaimDone) -> Result<()> {
+    let value = serde_json::to_vec(done).unwrap_or_default();
+    io.xattr_set(oid, &format!("{RECLAIM_DONE_XATTR}{node_id}"), &value)?;
+    if reclaim_request_at(io, oid, node_id)?.as_deref() == Some(done.id.as_str()) {
+        match io.xattr_remove(oid, &format!("{RECLAIM_REQUEST_XATTR}{node_id}")) {
+            Err(e) if !is_missing(&e) => return Err(e),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 impl ImageLock {
     /// Asks `node_id` to reclaim the image's free space (request `id`;
     /// asking again with the same id changes nothing). The node plugin
-    /// answers with [`ImageLock::set_reclaim_done`].
+    /// answers with [`answer_reclaim_at`].
     pub fn request_reclaim(&self, node_id: &str, id: &str) -> Result<()> {
         self.io.xattr_set(
             &self.oid,
@@ -346,33 +384,12 @@ impl ImageLock {
 
     /// The reclaim request for `node_id`, if any.
     pub fn reclaim_request(&self, node_id: &str) -> Result<Option<String>> {
-        match self
-            .io
-            .xattr_get(&self.oid, &format!("{RECLAIM_REQUEST_XATTR}{node_id}"))
-        {
-            Ok(v) => Ok(Some(String::from_utf8_lossy(&v).into_owned())),
-            Err(e) if is_missing(&e) => Ok(None),
-            Err(e) => Err(e),
-        }
+        reclaim_request_at(&self.io, &self.oid, node_id)
     }
 
     /// `node_id`'s latest answer, if any (an unreadable one is none).
     pub fn reclaim_done(&self, node_id: &str) -> Result<Option<ReclaimDone>> {
-        match self
-            .io
-            .xattr_get(&self.oid, &format!("{RECLAIM_DONE_XATTR}{node_id}"))
-        {
-            Ok(v) => Ok(serde_json::from_slice(&v).ok()),
-            Err(e) if is_missing(&e) => Ok(None),
-            Err(e) => Err(e),
-        }
-    }
-
-    /// Records `node_id`'s answer to a reclaim request.
-    pub fn set_reclaim_done(&self, node_id: &str, done: &ReclaimDone) -> Result<()> {
-        let value = serde_json::to_vec(done).unwrap_or_default();
-        self.io
-            .xattr_set(&self.oid, &format!("{RECLAIM_DONE_XATTR}{node_id}"), &value)
+        reclaim_done_at(&self.io, &self.oid, node_id)
     }
 
     /// The nodes holding the staging lock (by cookie), sorted, and whether

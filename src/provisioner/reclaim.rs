@@ -17,10 +17,11 @@
 //! its sidecar and VolumeAttachments rbdkit does not have, so the request
 //! goes through the image itself: the provisioner writes a request id to
 //! the header xattr `rbdkit.reclaim.request.<node>`; the node plugin looks
-//! every `--reclaim-poll` (30 s) at the volumes it has staged (one header
+//! every `--reclaim-poll` (30 s) at the volumes it has staged (one xattr
 //! read each, bounded by the Ceph op timeout), runs `fstrim` on a
 //! filesystem (a Block volume's free space is its user's to know: nothing
-//! to do), and answers in `rbdkit.reclaim.done.<node>` with the same id.
+//! to do), answers in `rbdkit.reclaim.done.<node>` with the same id, and
+//! takes the request away.
 //! The id is the job's uid and its attempt, so a re-run after a crash of
 //! either side finds it answered or asks again the same way, and a retry
 //! after a failed answer asks anew. A volume staged nowhere is sparsified

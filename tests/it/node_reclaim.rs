@@ -267,6 +267,27 @@ async fn space_freed_in_a_pod_returns_to_the_pool_after_a_reclaim() {
         &["fstrim", "returned to the pool"],
     )
     .await;
+    // The node's answer is on the image's header, and its request taken
+    // away: a node looking for requests reads one missing xattr.
+    let header = Image::open_read_only(&env.rbd.ioctx, &image)
+        .and_then(|i| i.header_oid())
+        .expect("header object");
+    let xattr = |what: &str| {
+        env.rbd
+            .ioctx
+            .xattr_get(&header, &format!("rbdkit.reclaim.{what}.{}", node.name))
+    };
+    assert!(
+        xattr("request").is_err(),
+        "the answered request is taken away"
+    );
+    let done: serde_json::Value =
+        serde_json::from_slice(&xattr("done").expect("the node's answer")).unwrap();
+    assert_eq!(done["ok"], true, "{done}");
+    assert!(
+        done["trimmed"].as_u64().unwrap_or(0) >= file * 3 / 4,
+        "{done}"
+    );
 
     // A schedule that does not parse is refused by name, and makes nothing.
     env.annotate_claim("data", BTreeMap::from([(SCHEDULE, "every day")]))
