@@ -38,6 +38,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 pub mod error;
+mod json;
 pub mod rados;
 pub mod rbd;
 mod util;

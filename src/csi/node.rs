@@ -90,7 +90,7 @@ use crate::csi::proto::{
     NodeUnstageVolumeRequest, NodeUnstageVolumeResponse, Topology, VolumeCapability, VolumeUsage,
 };
 use crate::node::cgroup_io::IoMax;
-use crate::node::stage_lock::{self, Acquired, ImageLock, LockMode};
+use crate::node::stage_lock::{self, Acquired, ImageLock, LockMode, MirrorRole};
 use crate::node::{fs, mount, options, MapSpec, Mapper};
 use crate::volume::ops::VolumeError;
 use crate::volume::params::{NodeParams, MAP_OPTIONS, UNMAP_OPTIONS};
@@ -802,8 +802,22 @@ impl NodeService {
         for round in 0..3 {
             let n = node.clone();
             let got = self
-                .with_lock(vol, secrets, move |l| l.acquire(mode, &n))
+                .with_lock(vol, secrets, move |l| {
+                    // A non-primary mirror copy is read-only until promoted:
+                    // refused before anything is taken or mapped.
+                    if l.mirror_role() == MirrorRole::NonPrimary {
+                        return Ok(None);
+                    }
+                    l.acquire(mode, &n).map(Some)
+                })
                 .await?;
+            let Some(got) = got else {
+                return Err(Status::failed_precondition(format!(
+                    "image {vol} is a non-primary RBD mirror copy (its primary is at another \
+                     site); promote it here first (a VolumeReplication with replicationState \
+                     primary) or stage it read-only"
+                )));
+            };
             let holders = match got {
                 Acquired::Taken | Acquired::Ours => return Ok(()),
                 Acquired::OursInOtherMode if !mapped_here && round == 0 => {
@@ -1568,7 +1582,22 @@ impl Node for NodeService {
         };
         if lock_mode == Some(LockMode::Exclusive) && !mapped_here {
             let own = self.own_watchers(&id);
-            let foreign: Vec<&String> = before.iter().filter(|w| !own.contains(w)).collect();
+            let mut foreign: Vec<String> = before
+                .iter()
+                .filter(|w| !own.contains(w))
+                .cloned()
+                .collect();
+            if !foreign.is_empty() {
+                // A mirrored primary: peer sites' rbd-mirror daemons watch it.
+                let known = own.clone();
+                foreign = match self
+                    .with_lock(&vol, &secrets.0, move |l| l.data_path_watchers(&known))
+                    .await
+                {
+                    Ok(w) => w.into_iter().filter(|w| !own.contains(w)).collect(),
+                    Err(e) => return Err(abandon(e).await),
+                };
+            }
             if !foreign.is_empty() {
                 let names: Vec<&str> = foreign.iter().map(|s| s.as_str()).collect();
                 return Err(abandon(Status::failed_precondition(format!(

@@ -43,6 +43,15 @@
 //!   (a deferred release), and their other volumes share the clients a
 //!   fence would cut.
 //!
+//! - **Mirrored images**: a peer site's `rbd-mirror` daemon watches the
+//!   primary copy it replicates, and a watcher's address does not say whose
+//!   it is. [`ImageLock::data_path_watchers`] leaves out this site's own
+//!   daemon (by its instance id) and as many unknown watchers as the image
+//!   has peer daemons up, never one this node or a fenced node is known
+//!   by, so a mirrored primary stages (and a dead node's lock is broken) as
+//!   an unmirrored image would. A non-primary copy is refused for
+//!   read-write stages ([`MirrorRole::NonPrimary`]).
+//!
 //! Everything here is blocking and bounded by the connection's timeouts (one
 //! OSD operation per lock call, the mon-op timeout for a blocklist entry).
 
@@ -82,6 +91,21 @@ pub fn cookie(node_id: &str) -> String {
 /// The node a cookie names, if it is one of ours.
 pub fn node_of(cookie: &str) -> Option<&str> {
     cookie.strip_prefix(COOKIE_PREFIX)
+}
+
+/// Where an image stands in RBD mirroring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MirrorRole {
+    /// Not mirrored.
+    NotMirrored,
+    /// The primary copy; `peer_daemons` peer sites' rbd-mirror daemons are
+    /// up (each watches the image while it copies it).
+    Primary {
+        /// Peer sites whose daemon reports the image and is up.
+        peer_daemons: usize,
+    },
+    /// A non-primary copy: read-only until promoted.
+    NonPrimary,
 }
 
 /// What [`ImageLock::acquire`] found.
@@ -140,6 +164,65 @@ impl ImageLock {
         match mode {
             LockMode::Exclusive => h.exclusive,
             LockMode::Shared => !h.exclusive && h.tag == SHARED_TAG,
+        }
+    }
+
+    /// The image's place in RBD mirroring (see [`MirrorRole`]). An image
+    /// whose mirroring cannot be read (caps, an old cluster) counts as not
+    /// mirrored.
+    pub fn mirror_role(&self) -> MirrorRole {
+        let Ok(info) = self.image.mirror_info() else {
+            return MirrorRole::NotMirrored;
+        };
+        if info.state != crate::rbd::MirrorImageState::Enabled {
+            return MirrorRole::NotMirrored;
+        }
+        if !info.primary {
+            return MirrorRole::NonPrimary;
+        }
+        let daemons = self
+            .image
+            .mirror_global_status()
+            .map(|s| s.peers().filter(|p| p.up).count())
+            .unwrap_or(0);
+        MirrorRole::Primary {
+            peer_daemons: daemons,
+        }
+    }
+
+    /// The watchers that may be data-path clients. Of a mirrored image,
+    /// this site's rbd-mirror daemon (known by its instance id) is left out;
+    /// and on a primary every peer site whose daemon is up watches the image
+    /// it copies, with an address that does not say whose it is: so up to
+    /// that many watchers that are not in `known` are taken for those
+    /// daemons and left out too. A watcher in `known` is always kept, and so
+    /// is every unknown one when there are more of them than daemons.
+    pub fn data_path_watchers(&self, known: &[String]) -> Result<Vec<String>> {
+        let all = self.image.watchers()?;
+        // Watchers say `v1:` where records may not.
+        let is_known = |a: &str| known.iter().any(|k| bare_addr(k) == bare_addr(a));
+        if all.iter().all(|w| is_known(&w.addr)) {
+            return Ok(all.into_iter().map(|w| w.addr).collect());
+        }
+        let role = self.mirror_role();
+        if role == MirrorRole::NotMirrored {
+            return Ok(all.into_iter().map(|w| w.addr).collect());
+        }
+        // This site's daemon, which held the image while it was a copy (and
+        // lets go once it sees the promotion), is known by its instance id.
+        let local = self.image.mirror_instance_id().ok();
+        let rest: Vec<_> = all
+            .into_iter()
+            .filter(|w| Some(w.id as u64) != local || is_known(&w.addr))
+            .collect();
+        let unknown = rest.iter().filter(|w| !is_known(&w.addr)).count();
+        match role {
+            MirrorRole::Primary { peer_daemons } if unknown <= peer_daemons => Ok(rest
+                .into_iter()
+                .filter(|w| is_known(&w.addr))
+                .map(|w| w.addr)
+                .collect()),
+            _ => Ok(rest.into_iter().map(|w| w.addr).collect()),
         }
     }
 
@@ -272,11 +355,16 @@ impl ImageLock {
     /// has the image open: then nothing is broken (`Busy`, naming it).
     /// Returns how many locks were broken.
     pub fn break_node(&self, node_id: &str, fenced: &[IpAddr]) -> Result<usize> {
-        let live: Vec<String> = self
-            .watchers()?
-            .into_iter()
-            .filter(|w| addr_ip(w).is_none_or(|ip| !fenced.contains(&ip)))
-            .collect();
+        let from_fenced = |w: &String| addr_ip(w).is_some_and(|ip| fenced.contains(&ip));
+        let mut live: Vec<String> = self.watchers()?;
+        live.retain(|w| !from_fenced(w));
+        if !live.is_empty() {
+            // Peer sites' rbd-mirror daemons on a mirrored primary are no
+            // users of the image.
+            let known: Vec<String> = self.watchers()?.into_iter().filter(from_fenced).collect();
+            live = self.data_path_watchers(&known)?;
+            live.retain(|w| !from_fenced(w));
+        }
         if !live.is_empty() {
             return Err(Error::with_kind(
                 ErrorKind::Busy,
@@ -405,6 +493,15 @@ impl ImageLock {
         nodes.dedup();
         Ok((nodes, h.exclusive))
     }
+}
+
+/// An address without its messenger prefix (`v1:`, `v2:`, `any:`), as
+/// records and blocklists write it.
+pub fn bare_addr(addr: &str) -> &str {
+    ["v1:", "v2:", "any:"]
+        .iter()
+        .find_map(|p| addr.strip_prefix(p))
+        .unwrap_or(addr)
 }
 
 /// A missing xattr: `ENODATA` (or `ENOENT` from an older OSD).

@@ -68,6 +68,9 @@ pub const ANN_SELECTED_NODE: &str = "volume.kubernetes.io/selected-node";
 /// flattened in the background (removed once done).
 pub const PV_FLATTEN_ANNOTATION: &str = "rbdkit.io/flatten-pending";
 
+/// The default of `--mirror-op-timeout`.
+pub const DEFAULT_MIRROR_OP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// A claim as the claim cache keeps it.
 pub type CachedClaim = Compact<PersistentVolumeClaim>;
 /// A PV as the PV cache keeps it.
@@ -127,6 +130,8 @@ pub struct Context {
     /// Claims' reclaim space schedule annotations are synced to
     /// ReclaimSpaceCronJobs (`--reclaim-space`).
     pub reclaim_space: bool,
+    /// Bound on one mirror promote or demote (`--mirror-op-timeout`).
+    pub mirror_op_timeout: std::time::Duration,
     /// PVs (by uid) whose volume this process deleted, so that the echo of
     /// letting go of one (our finalizer removed, the PV still Released) is
     /// not a second delete. Lost on restart, which only costs that echo.
@@ -178,6 +183,7 @@ impl Context {
             legacy_secret: None,
             kms_config: crate::volume::kms::DEFAULT_CONFIG_PATH.into(),
             reclaim_space: false,
+            mirror_op_timeout: DEFAULT_MIRROR_OP_TIMEOUT,
             deleted: Mutex::new(HashMap::new()),
             pv_cache: Mutex::new(None),
             class_cache: Mutex::new(None),
@@ -194,6 +200,12 @@ impl Context {
     /// ReclaimSpaceCronJobs (`--reclaim-space`).
     pub fn with_reclaim_space(mut self, on: bool) -> Self {
         self.reclaim_space = on;
+        self
+    }
+
+    /// Bounds each mirror promote or demote by `timeout`.
+    pub fn with_mirror_op_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.mirror_op_timeout = timeout;
         self
     }
 

@@ -24,6 +24,7 @@
 //! - [`network_fence`]: csi-addons NetworkFences (CIDR blocks fenced).
 //! - [`reclaim`]: csi-addons ReclaimSpaceJobs and ReclaimSpaceCronJobs, and
 //!   claims' reclaim schedules ([`cron`]).
+//! - [`replication`]: csi-addons VolumeReplications (RBD mirroring).
 //!
 //! Parameters, the volume handle, the clusters config and the Ceph
 //! operations themselves are in [`crate::volume`], shared with the CSI
@@ -42,6 +43,7 @@ pub mod network_fence;
 pub mod out_of_service;
 pub mod pv;
 pub mod reclaim;
+pub mod replication;
 pub mod secrets;
 pub mod snapshots;
 pub mod source;
@@ -213,6 +215,19 @@ pub struct ProvisionerArgs {
     /// installed).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub reclaim_space: bool,
+
+    /// Handle the csi-addons VolumeReplications whose class names this
+    /// provisioner (RBD mirroring; waits, with a log line, while the
+    /// replication CRDs are not installed).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub replication: bool,
+
+    /// Bound on one mirror promote or demote. Each waits for the image's
+    /// exclusive lock, which a stuck rbd-mirror daemon may never hand over
+    /// (Ceph 16's force promote); past the bound the call is left to finish
+    /// on its own and the reconcile retries.
+    #[arg(long, default_value = "60s")]
+    pub mirror_op_timeout: humantime::Duration,
 
     /// Legacy provisioners (`ceph.com/rbd`, `kubernetes.io/rbd`,
     /// `ceph.rook.io/block`, comma-separated) whose unmigrated PVs this
@@ -391,7 +406,8 @@ pub async fn run_until(
         )
         .with_legacy(adopt, legacy_secret)
         .with_kms_config(args.kms_config.clone())
-        .with_reclaim_space(args.reclaim_space),
+        .with_reclaim_space(args.reclaim_space)
+        .with_mirror_op_timeout(args.mirror_op_timeout.into()),
     );
 
     let mut leader_rx_loop = leader_rx.clone();
@@ -417,7 +433,7 @@ pub async fn run_until(
         let work = run_controllers(
             Arc::clone(&ctx),
             args.workers,
-            args.snapshots,
+            (args.snapshots, args.replication),
             health.clone(),
             stopped(stop_rx.clone()),
             (
@@ -488,7 +504,7 @@ where
 async fn run_controllers(
     ctx: Arc<Context>,
     workers: u16,
-    with_snapshots: bool,
+    (with_snapshots, with_replication): (bool, bool),
     health: Health,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     (maintenance_delay, maintenance_interval, op_timeout): (Duration, Duration, Duration),
@@ -528,6 +544,12 @@ async fn run_controllers(
         Arc::clone(&ctx),
         config.clone(),
         with_snapshots,
+        shutdown.clone(),
+    );
+    let replication = replication::run(
+        Arc::clone(&ctx),
+        config.clone(),
+        with_replication,
         shutdown.clone(),
     );
     let nodes = out_of_service::run(Arc::clone(&ctx), config.clone(), shutdown.clone());
@@ -588,7 +610,7 @@ async fn run_controllers(
     );
     // `synced` never ends: it is dropped with the controllers.
     tokio::select! {
-        _ = async { futures::join!(claims, volumes, snapshots, group_snapshots, classes, nodes, fences, reclaims) } => {}
+        _ = async { futures::join!(claims, volumes, snapshots, group_snapshots, replication, classes, nodes, fences, reclaims) } => {}
         _ = synced => {}
         _ = maintenance => {}
     }

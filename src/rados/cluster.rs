@@ -736,35 +736,91 @@ impl Cluster {
     /// `prefix` and carries the monitor's status text, never the command body
     /// (which may hold a key).
     pub fn mon_command(&self, command_json: &str, input: &[u8]) -> Result<MonCommandReply> {
-        let prefix = command_prefix(command_json);
-        let cmd = CString::new(command_json).map_err(|_| {
-            Error::invalid(
-                "rados_mon_command",
-                prefix.clone(),
-                "command contains a NUL byte",
-            )
-        })?;
+        self.command(
+            "rados_mon_command",
+            "mon command",
+            command_json,
+            input,
+            |a| {
+                // SAFETY: `a` holds one valid C string, an input buffer readable
+                // for its length and valid out-pointers (see `command`).
+                unsafe {
+                    sys::rados_mon_command(
+                        self.raw(),
+                        a.cmds,
+                        1,
+                        a.input,
+                        a.input_len,
+                        a.outbuf,
+                        a.outbuf_len,
+                        a.outs,
+                        a.outs_len,
+                    )
+                }
+            },
+        )
+    }
+
+    /// Sends a JSON command to the active manager, for its modules'
+    /// commands such as `{"prefix": "rbd mirror snapshot schedule add",
+    /// ...}` (the `rbd_support` module). Wraps `rados_mgr_command`.
+    ///
+    /// Bounded by the mon-op timeout: librados waits that long for the
+    /// manager's reply. Errors are as for [`Cluster::mon_command`].
+    pub fn mgr_command(&self, command_json: &str, input: &[u8]) -> Result<MonCommandReply> {
+        self.command(
+            "rados_mgr_command",
+            "mgr command",
+            command_json,
+            input,
+            |a| {
+                // SAFETY: as in `mon_command`: valid command array, input and
+                // out-pointers for the call's duration.
+                unsafe {
+                    sys::rados_mgr_command(
+                        self.raw(),
+                        a.cmds,
+                        1,
+                        a.input,
+                        a.input_len,
+                        a.outbuf,
+                        a.outbuf_len,
+                        a.outs,
+                        a.outs_len,
+                    )
+                }
+            },
+        )
+    }
+
+    /// The buffer handling `rados_mon_command` and `rados_mgr_command`
+    /// share: one command, librados-allocated replies freed with
+    /// `rados_buffer_free` as the header requires.
+    fn command(
+        &self,
+        op: &'static str,
+        kind: &str,
+        command_json: &str,
+        input: &[u8],
+        call: impl FnOnce(&CommandArgs) -> i32,
+    ) -> Result<MonCommandReply> {
+        let prefix = command_prefix(kind, command_json);
+        let cmd = CString::new(command_json)
+            .map_err(|_| Error::invalid(op, prefix.clone(), "command contains a NUL byte"))?;
         let cmds = [cmd.as_ptr()];
         let mut outbuf: *mut c_char = ptr::null_mut();
         let mut outbuf_len = 0usize;
         let mut outs: *mut c_char = ptr::null_mut();
         let mut outs_len = 0usize;
-        // SAFETY: `cmds` holds one valid C string; `input` is readable for its
-        // length; the out-pointers are valid. librados allocates outbuf/outs,
-        // which we free below with rados_buffer_free as the header requires.
-        let ret = unsafe {
-            sys::rados_mon_command(
-                self.raw(),
-                cmds.as_ptr() as *mut *const c_char,
-                1,
-                input.as_ptr().cast(),
-                input.len(),
-                &mut outbuf,
-                &mut outbuf_len,
-                &mut outs,
-                &mut outs_len,
-            )
-        };
+        let ret = call(&CommandArgs {
+            cmds: cmds.as_ptr() as *mut *const c_char,
+            input: input.as_ptr().cast(),
+            input_len: input.len(),
+            outbuf: &mut outbuf,
+            outbuf_len: &mut outbuf_len,
+            outs: &mut outs,
+            outs_len: &mut outs_len,
+        });
         // SAFETY: librados set these to buffers of the given lengths (or left
         // them null); we copy, then free each exactly once.
         let (output, status) = unsafe {
@@ -787,7 +843,7 @@ impl Cluster {
             }
             (output, status)
         };
-        match cvt(ret, "rados_mon_command", || prefix.clone()) {
+        match cvt(ret, op, || prefix.clone()) {
             Ok(_) => Ok(MonCommandReply { output, status }),
             Err(e) if status.is_empty() => Err(e),
             Err(e) => Err(e.detail(status.trim().to_owned())),
@@ -811,19 +867,31 @@ impl Cluster {
     }
 }
 
-/// The `"prefix"` of a JSON mon command, for error messages.
-fn command_prefix(json: &str) -> String {
+/// The arguments `rados_mon_command` and `rados_mgr_command` share.
+struct CommandArgs {
+    cmds: *mut *const c_char,
+    input: *const c_char,
+    input_len: usize,
+    outbuf: *mut *mut c_char,
+    outbuf_len: *mut usize,
+    outs: *mut *mut c_char,
+    outs_len: *mut usize,
+}
+
+/// The `"prefix"` of a JSON command, for error messages: `mon command
+/// 'auth add'`.
+fn command_prefix(kind: &str, json: &str) -> String {
     let Some(at) = json.find("\"prefix\"") else {
-        return "mon command".into();
+        return kind.into();
     };
     let rest = &json[at + 8..];
     let Some(start) = rest.find('"') else {
-        return "mon command".into();
+        return kind.into();
     };
     let rest = &rest[start + 1..];
     match rest.find('"') {
-        Some(end) => format!("mon command '{}'", &rest[..end]),
-        None => "mon command".into(),
+        Some(end) => format!("{kind} '{}'", &rest[..end]),
+        None => kind.into(),
     }
 }
 
@@ -915,9 +983,12 @@ mod tests {
     #[test]
     fn mon_command_prefix_is_extracted() {
         assert_eq!(
-            command_prefix(r#"{"prefix": "auth add", "entity": "client.x", "key": "AQB"}"#),
+            command_prefix(
+                "mon command",
+                r#"{"prefix": "auth add", "entity": "client.x", "key": "AQB"}"#
+            ),
             "mon command 'auth add'"
         );
-        assert_eq!(command_prefix("{}"), "mon command");
+        assert_eq!(command_prefix("mon command", "{}"), "mon command");
     }
 }

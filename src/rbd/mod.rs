@@ -2,7 +2,7 @@
 //!
 //! The layout follows go-ceph's `rbd` package, one file per area:
 //! [`image`](crate::rbd::Image) lifecycle and info, snapshots, clones, trash,
-//! metadata, watchers, locks, I/O, diff, and pool set-up. Functions that act
+//! metadata, watchers, locks, I/O, diff, pool set-up and mirroring. Functions that act
 //! on a pool (`create`, `list`, `remove`, trash) take an [`IoCtx`]; the rest
 //! are methods on an open [`Image`].
 //!
@@ -22,6 +22,7 @@ mod io;
 mod locks;
 mod metadata;
 mod migration;
+mod mirror;
 mod options;
 mod pool;
 mod snap_namespace;
@@ -50,6 +51,16 @@ pub use locks::{LockMode, Locker, Lockers};
 pub use migration::{
     migration_abort, migration_commit, migration_execute, migration_prepare, migration_status,
     MigrationState, MigrationStatus,
+};
+pub use mirror::{
+    check_schedule_interval, check_schedule_start_time, mirror_mode_get, mirror_mode_set,
+    mirror_peer_bootstrap_create, mirror_peer_bootstrap_import, mirror_peer_site_add,
+    mirror_peer_site_list, mirror_peer_site_remove, mirror_site_name_get, mirror_site_name_set,
+    mirror_snapshot_schedule_add, mirror_snapshot_schedule_list, mirror_snapshot_schedule_remove,
+    mirror_snapshot_schedule_status, mirror_uuid_get, MirrorGlobalStatus, MirrorImageInfo,
+    MirrorImageMode, MirrorImageState, MirrorMode, MirrorPeerDirection, MirrorPeerSite,
+    MirrorSiteStatus, MirrorSnapNamespace, MirrorSnapState, MirrorSnapshotFlags,
+    MirrorSnapshotSchedule, MirrorStatusState, ScheduleLevel, ScheduledImage, SnapshotReplay,
 };
 pub use options::ImageOptions;
 pub use pool::{

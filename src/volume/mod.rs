@@ -21,6 +21,7 @@
 //! - [`group_snapshot`]: volume group snapshots, one instant for several
 //!   volumes, each member an ordinary snapshot.
 //! - [`node_fence`]: fencing a whole node by its addresses, and lifting it.
+//! - [`replication`]: RBD mirroring for csi-addons' VolumeReplication.
 //!
 //! Nothing here knows about Kubernetes objects (callers pass plain values)
 //! except [`pv`] and [`legacy`], whose input is PVs themselves.
@@ -39,6 +40,7 @@ pub mod params;
 pub mod pv;
 pub mod qos;
 pub mod quantity;
+pub mod replication;
 pub mod snapshot;
 pub mod topology;
 

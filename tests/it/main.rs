@@ -28,6 +28,7 @@ mod k8s_events;
 mod kernel_vm;
 mod kms_vault;
 mod migrate;
+mod mirror_dr;
 mod node_e2e;
 mod node_fuse;
 mod node_group_snapshots;

@@ -53,6 +53,9 @@ fn manifests_parse_and_agree_with_the_provisioner() {
             "VolumeSnapshotClass" => {}
             // Checked in tests/it/node_group_snapshots.rs.
             "VolumeGroupSnapshotClass" => {}
+            // csi-addons' kind; tests/it/mirror_dr.rs makes a class of its
+            // own with the same fields.
+            "VolumeReplicationClass" => {}
             other => panic!("{file}: unexpected kind {other:?}"),
         }
     }

@@ -18,6 +18,7 @@ mod rbd_aio_tokio;
 mod rbd_deadlines;
 mod rbd_image;
 mod rbd_large_io;
+mod rbd_mirror;
 mod rbd_pool;
 mod rbd_releases;
 mod rbd_snapshots;

@@ -482,3 +482,128 @@ pub fn blocklist_addrs() -> Vec<String> {
         })
         .unwrap_or_default()
 }
+
+/// Two clusters that mirror pool [`POOL`] both ways: image mode,
+/// snapshot-based, peers bootstrapped, an `rbd-mirror` daemon in each
+/// (`scripts/ceph-test-cluster mirror-pair`). Started once per test process
+/// (about 30 s) and stopped at exit, or given by `RBDKIT_TEST_MIRROR_PAIR`
+/// (`DIR_A:DIR_B`, already paired).
+pub struct MirrorPair {
+    /// Site A.
+    pub a: TestCluster,
+    /// Site B.
+    pub b: TestCluster,
+}
+
+static PAIR: OnceLock<MirrorPair> = OnceLock::new();
+static STARTED_PAIR: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+extern "C" fn stop_started_pair() {
+    let dirs = std::mem::take(&mut *STARTED_PAIR.lock().unwrap_or_else(|e| e.into_inner()));
+    for dir in dirs {
+        let _ = Command::new(repo_root().join("scripts/ceph-test-cluster"))
+            .arg("down")
+            .arg(&dir)
+            .status();
+    }
+}
+
+fn script(args: &[&str]) -> std::process::Output {
+    Command::new(repo_root().join("scripts/ceph-test-cluster"))
+        .args(args)
+        .output()
+        .expect("run scripts/ceph-test-cluster")
+}
+
+impl MirrorPair {
+    /// The process-wide pair.
+    pub fn shared() -> &'static MirrorPair {
+        PAIR.get_or_init(|| {
+            if let Ok(v) = std::env::var("RBDKIT_TEST_MIRROR_PAIR") {
+                let (a, b) = v
+                    .split_once(':')
+                    .expect("RBDKIT_TEST_MIRROR_PAIR is DIR_A:DIR_B");
+                return MirrorPair {
+                    a: TestCluster {
+                        conf: PathBuf::from(a).join("ceph.conf"),
+                    },
+                    b: TestCluster {
+                        conf: PathBuf::from(b).join("ceph.conf"),
+                    },
+                };
+            }
+            let base = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+            let dirs = [
+                base.join(format!("mirror-a-{}", std::process::id())),
+                base.join(format!("mirror-b-{}", std::process::id())),
+            ];
+            // SAFETY: registers a plain extern "C" fn with no captured state.
+            unsafe { libc::atexit(stop_started_pair) };
+            let ups: Vec<_> = dirs
+                .iter()
+                .map(|d| {
+                    STARTED_PAIR.lock().unwrap().push(d.clone());
+                    let d = d.to_str().expect("utf-8 dir").to_owned();
+                    std::thread::spawn(move || script(&["up", &d]))
+                })
+                .collect();
+            for (up, d) in ups.into_iter().zip(&dirs) {
+                let out = up.join().expect("up thread");
+                assert!(
+                    out.status.success(),
+                    "scripts/ceph-test-cluster up {} failed:\n{}",
+                    d.display(),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            let (a, b) = (dirs[0].to_str().unwrap(), dirs[1].to_str().unwrap());
+            let out = script(&["mirror-pair", a, b]);
+            assert!(
+                out.status.success(),
+                "scripts/ceph-test-cluster mirror-pair {a} {b} failed:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            MirrorPair {
+                a: TestCluster {
+                    conf: dirs[0].join("ceph.conf"),
+                },
+                b: TestCluster {
+                    conf: dirs[1].join("ceph.conf"),
+                },
+            }
+        })
+    }
+
+    /// A site's name (its directory's base name).
+    pub fn site(c: &TestCluster) -> String {
+        c.dir()
+            .file_name()
+            .and_then(|n| n.to_str())
+            .expect("cluster dir name")
+            .to_owned()
+    }
+
+    /// Stops every daemon of site `c` (rbd-mirror first), as a site loss
+    /// would; [`MirrorPair::start_site`] brings it back with its data.
+    pub fn stop_site(c: &TestCluster) {
+        for d in ["rbd-mirror", "osd.0", "mgr.x", "mon.a"] {
+            daemon(c, "stop-daemon", d);
+        }
+    }
+
+    /// Starts the daemons of a stopped site again.
+    pub fn start_site(c: &TestCluster) {
+        for d in ["mon.a", "mgr.x", "osd.0", "rbd-mirror"] {
+            daemon(c, "start-daemon", d);
+        }
+    }
+}
+
+fn daemon(c: &TestCluster, verb: &str, name: &str) {
+    let out = script(&[verb, c.dir().to_str().expect("utf-8 dir"), name]);
+    assert!(
+        out.status.success(),
+        "ceph-test-cluster {verb} {name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

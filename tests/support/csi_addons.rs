@@ -1,6 +1,7 @@
-//! The csi-addons CRDs (NetworkFence, NetworkFenceClass, ReclaimSpaceJob,
-//! ReclaimSpaceCronJob) from the Go module pinned in `tests/csi-addons`
-//! (`scripts/csi-addons-crds`), installed once per process. No csi-addons controller runs: rbdkit's provisioner
+//! The csi-addons CRDs of group `csiaddons.openshift.io` (NetworkFence,
+//! NetworkFenceClass, ReclaimSpaceJob, ReclaimSpaceCronJob) from the Go module
+//! pinned in `tests/csi-addons` (`scripts/csi-addons-crds`), installed once
+//! per process. No csi-addons controller runs: rbdkit's provisioner
 //! reconciles them.
 
 use std::path::Path;
@@ -32,6 +33,7 @@ pub async fn install_crds(client: &kube::Client) {
             );
             String::from_utf8_lossy(&out.stdout)
                 .lines()
+                .filter(|f| f.contains("/csiaddons.openshift.io_"))
                 .map(str::to_owned)
                 .collect::<Vec<_>>()
         })

@@ -24,6 +24,8 @@ pub mod process;
 #[cfg(feature = "service")]
 pub mod provisioner;
 #[cfg(feature = "service")]
+pub mod replication;
+#[cfg(feature = "service")]
 pub mod snapshots;
 #[cfg(feature = "service")]
 pub mod topology;
