@@ -354,8 +354,8 @@ class Contenders:
         }
         self.base = base
 
-    def lib(self, who, mode, **opts):
-        cmd = list(self.cmds[who]) + [mode] + self.base
+    def lib(self, who, mode, pool=POOL, **opts):
+        cmd = list(self.cmds[who]) + [mode, "--conf", self.cl.conf, "--pool", pool]
         for k, v in opts.items():
             cmd += [f"--{k}", str(v)]
         return run_json(cmd, self.env)
@@ -1079,8 +1079,7 @@ def main():
         if "data" in sections:
             results["data"] = section_data(c, cfg, errors, tag, pending)
         if "node" in sections:
-            results["node"] = node.section_node(c, cfg, errors, tag, mapper_bin, POOL, rotate,
-                                                settle)
+            results["node"] = node.section_node(c, cfg, errors, tag, mapper_bin, rotate, settle)
         if "burst" in sections:
             results["burst"] = burst.section_burst(c, cfg, errors, tag, provisioner_bin, POOL)
         if "snapshot" in sections:

@@ -41,6 +41,13 @@ LUKS2_HEADER = 16 << 20
 # What NodeStage runs when the StorageClass gives no mkfsOptions
 # (src/node/fs.rs, default_mkfs_options): lazy inode table and journal init.
 NODESTAGE_MKFS_EXT4 = ["-m0", "-Enodiscard,lazy_itable_init=1,lazy_journal_init=1"]
+# The group's own pool. Its PGs are made after the OSD is told to keep
+# objects as page sets (memstore_page_set: 64 KiB pages): memstore's
+# default keeps an object as one bufferlist, which every 4 KiB overwrite
+# splits, so an image's writes got slower with every random write it had
+# taken (issue 39: the OSD's CPU per 4 KiB write rose from 118 to 495 µs
+# over one run) and whoever ran later in a session met a slower cluster.
+NODE_POOL = "node-bench"
 # Images attached at once to measure the mapper's memory per mapped image.
 RSS_IMAGES = 8
 # Goals (issue 39), each contender against write-through `rbd bench`.
@@ -387,10 +394,11 @@ def wl_key(wl):
 
 
 class Node:
-    def __init__(self, c, cfg, rbdkit_bin, tag, pool):
+    def __init__(self, c, cfg, rbdkit_bin, tag):
         self.c = c  # driver.Contenders: cluster, rbd bench, measured()
         self.cfg = cfg
-        self.pool = pool
+        self.pool = NODE_POOL
+        self.pool_made = False
         self.bin = rbdkit_bin
         self.raw = f"node-raw-{tag}"
         self.enc = f"node-enc-{tag}"
@@ -415,8 +423,17 @@ class Node:
 
     # -- setup -------------------------------------------------------------
 
+    def make_pool(self):
+        """NODE_POOL, its objects page sets (see there)."""
+        conf = self.c.cl.conf
+        run(["ceph", "-c", conf, "tell", "osd.*", "config", "set", "memstore_page_set", "true"])
+        run(["ceph", "-c", conf, "osd", "pool", "create", self.pool, "8"])
+        self.pool_made = True
+        run(["rbd", "-c", conf, "pool", "init", self.pool], timeout=120)
+
     def setup(self):
         c, pool = self.c, self.pool
+        self.make_pool()
         for img in (self.raw, self.fsimg, self.podimg):
             c.cl.rbd("create", "--size", f"{self.size // MiB}M", f"{pool}/{img}")
         log(f"node: prefilling {self.raw} ({self.size // MiB} MiB)")
@@ -515,6 +532,9 @@ class Node:
                 self.c.cl.rbd("rm", "--no-progress", f"{self.pool}/{img}")
             except Exception:  # noqa: BLE001 - the cluster goes away anyway
                 pass
+        if self.pool_made:
+            run(["ceph", "-c", self.c.cl.conf, "osd", "pool", "rm", self.pool, self.pool,
+                 "--yes-i-really-really-mean-it"], check=False)
         subprocess.run(["rm", "-rf", str(self.work)], check=False)
 
     # -- contenders ----------------------------------------------------------
@@ -550,7 +570,8 @@ class Node:
         own LUKS2 layer (rbd_encryption_load), which no `rbd bench` has."""
         workload, bs, qd, ops = wl
         extra = {"luks-passphrase-file": self.passfile} if encrypted else {}
-        out = self.c.lib("rbdkit", "data", image=self.enc if encrypted else self.raw,
+        out = self.c.lib("rbdkit", "data", pool=self.pool,
+                         image=self.enc if encrypted else self.raw,
                          workload=workload, bs=bs, qd=qd, ops=ops, **extra)
         # Its own clock around its I/O (the final flush included).
         out["iops"] = check_timed(f"rbdkit-bench data on {workload}", ops, out["elapsed_s"],
@@ -650,8 +671,8 @@ class Node:
                 "mapper-enc": self.mapper_enc}[who](wl)
 
 
-def section_node(c, cfg, errors, tag, rbdkit_bin, pool, rotate, settle):
-    node = Node(c, cfg, rbdkit_bin, tag, pool)
+def section_node(c, cfg, errors, tag, rbdkit_bin, rotate, settle):
+    node = Node(c, cfg, rbdkit_bin, tag)
     rounds = []
     try:
         node.setup()
