@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import node  # noqa: E402 - bench/node.py, next to this file
 import burst  # noqa: E402 - bench/burst.py
 import snapshot  # noqa: E402 - bench/snapshot.py
+import dr  # noqa: E402 - bench/dr.py
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -87,6 +88,10 @@ FULL = {
     "snapshot_image_bytes": 10 * GiB,
     "snapshot_written_bytes": 1 * GiB,
     "snapshot_rounds": 10,
+    # Disaster recovery (bench/dr.py): rounds, cases, the file a pod writes.
+    "dr_rounds": 3,
+    "dr_cases": ["planned", "site-lost"],
+    "dr_file_mib": 64,
 }
 
 SMOKE = {
@@ -122,12 +127,15 @@ SMOKE = {
     "snapshot_image_bytes": 256 * MiB,
     "snapshot_written_bytes": 16 * MiB,
     "snapshot_rounds": 1,
+    "dr_rounds": 1,
+    "dr_cases": ["planned"],
+    "dr_file_mib": 4,
 }
 
-ALL_SECTIONS = ["control", "concurrency", "data", "node", "burst", "snapshot"]
+ALL_SECTIONS = ["control", "concurrency", "data", "node", "burst", "snapshot", "dr"]
 # Kubernetes and the provisioner, not the Ceph release: not run by default
 # inside a scripts/ceph-release root.
-K8S_SECTIONS = {"burst", "snapshot"}
+K8S_SECTIONS = {"burst", "snapshot", "dr"}
 IMAGE_BYTES = 1 * GiB  # control-path images (thin: nothing is written)
 RUN_TIMEOUT = 600  # seconds for any one contender process
 
@@ -676,6 +684,8 @@ def summarize(results):
         targets += burst_targets
     if results.get("snapshot"):
         s["snapshot"] = snapshot.summarize(results["snapshot"], spread, med)
+    if results.get("dr"):
+        s["dr"] = dr.summarize(results["dr"], spread, med)
     s["targets"] = targets
     return s
 
@@ -985,6 +995,7 @@ def render(results, summary, cfg, mode):
     L += node.render(results, summary, cfg, fmt_ratio, fmt_num)
     L += burst.render(results, summary, cfg, fmt_ratio, fmt_num)
     L += snapshot.render(results, summary, cfg, fmt_ratio, fmt_num)
+    L += dr.render(results, summary, cfg, fmt_ratio, fmt_num)
 
     if results.get("errors"):
         L.append("## Failures in this run")
@@ -1020,7 +1031,7 @@ def main():
     default_sections = [x for x in ALL_SECTIONS if not (in_root and x in K8S_SECTIONS)]
     ap.add_argument("--only", default=",".join(default_sections),
                     help="comma-separated sections to run (default: all; in a ceph-release "
-                         "root all but burst and snapshot)")
+                         "root all but burst, snapshot and dr)")
     ap.add_argument("--no-write", action="store_true",
                     help="full run, but print the table instead of writing BENCHMARKS.md")
     ap.add_argument("--render", action="store_true",
@@ -1085,6 +1096,9 @@ def main():
         if "snapshot" in sections:
             results["snapshot"] = snapshot.section_snapshot(c, cfg, errors, tag, provisioner_bin,
                                                             POOL)
+        if "dr" in sections:
+            # Two clusters, a control plane and a node of the test suite's own.
+            results["dr"] = dr.section_dr(cfg, errors)
     results["machine"] = machine_info()
     results["elapsed_s"] = time.perf_counter() - start
     summary = summarize(results)
