@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import node  # noqa: E402 - bench/node.py, next to this file
 import burst  # noqa: E402 - bench/burst.py
 import snapshot  # noqa: E402 - bench/snapshot.py
+import dr  # noqa: E402 - bench/dr.py
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -64,14 +65,18 @@ FULL = {
         ("seqread", 4 * MiB, 16, 192),
     ],
     # The node group (bench/node.py): fio through the userspace mapper.
-    "node_rounds": 6,
+    # Sized so that the fastest contender, write-through `rbd bench`
+    # among them, runs 2-3 s on an idle machine (issue 39: its old 8 k ops
+    # ran under a second); a run under node_min_run_s is refused.
+    "node_rounds": 3,
     "node_image_bytes": 1 * GiB,
     "node_workloads": [
-        ("randwrite", 4 * KiB, 16, 8000),
-        ("randread", 4 * KiB, 16, 8000),
-        ("seqwrite", 4 * MiB, 16, 128),
-        ("seqread", 4 * MiB, 16, 128),
+        ("randwrite", 4 * KiB, 16, 40000),
+        ("randread", 4 * KiB, 16, 64000),
+        ("seqwrite", 4 * MiB, 16, 768),
+        ("seqread", 4 * MiB, 16, 1536),
     ],
+    "node_min_run_s": 1.0,
     "memstore": "6G",
     # The claim burst (bench/burst.py): claims per burst, rounds, and the
     # PVs in the caches for the peak-RSS run.
@@ -83,6 +88,10 @@ FULL = {
     "snapshot_image_bytes": 10 * GiB,
     "snapshot_written_bytes": 1 * GiB,
     "snapshot_rounds": 10,
+    # Disaster recovery (bench/dr.py): rounds, cases, the file a pod writes.
+    "dr_rounds": 3,
+    "dr_cases": ["planned", "site-lost"],
+    "dr_file_mib": 64,
 }
 
 SMOKE = {
@@ -108,6 +117,9 @@ SMOKE = {
         ("seqwrite", 4 * MiB, 16, 8),
         ("seqread", 4 * MiB, 16, 8),
     ],
+    # Smoke proves that every contender runs: any measured time is taken
+    # (too short to mean a rate, never refused, never a parsed "inf").
+    "node_min_run_s": 0.0,
     "memstore": "2G",
     "burst_claims": 20,
     "burst_rounds": 1,
@@ -115,12 +127,15 @@ SMOKE = {
     "snapshot_image_bytes": 256 * MiB,
     "snapshot_written_bytes": 16 * MiB,
     "snapshot_rounds": 1,
+    "dr_rounds": 1,
+    "dr_cases": ["planned"],
+    "dr_file_mib": 4,
 }
 
-ALL_SECTIONS = ["control", "concurrency", "data", "node", "burst", "snapshot"]
+ALL_SECTIONS = ["control", "concurrency", "data", "node", "burst", "snapshot", "dr"]
 # Kubernetes and the provisioner, not the Ceph release: not run by default
 # inside a scripts/ceph-release root.
-K8S_SECTIONS = {"burst", "snapshot"}
+K8S_SECTIONS = {"burst", "snapshot", "dr"}
 IMAGE_BYTES = 1 * GiB  # control-path images (thin: nothing is written)
 RUN_TIMEOUT = 600  # seconds for any one contender process
 
@@ -230,15 +245,18 @@ def build_mapper(smoke):
 
 def cargo_built(smoke, name, args):
     """The binary `name` after `cargo build ARGS` (release unless smoke).
-    With RBDKIT_BENCH_PREBUILT=1 a smoke run takes the debug binary a
-    build already made, without cargo: scripts/test runs the smoke beside
-    a `cargo test`, which holds the target dir's lock meanwhile."""
+    With RBDKIT_BENCH_PREBUILT=1 the run takes the binary a build already
+    made (debug for smoke, release otherwise), without cargo: scripts/test
+    runs the smoke beside a `cargo test`, which holds the target dir's lock
+    meanwhile; a full run can take a release build made elsewhere (point
+    CARGO_TARGET_DIR at it) on a machine where another build holds cargo."""
     target = Path(os.environ.get("CARGO_TARGET_DIR", REPO / "target"))
     binary = target / ("debug" if smoke else "release") / name
-    if smoke and os.environ.get("RBDKIT_BENCH_PREBUILT") == "1":
+    if os.environ.get("RBDKIT_BENCH_PREBUILT") == "1":
         if not binary.is_file():
             raise OSError(f"RBDKIT_BENCH_PREBUILT=1 but {binary} was not built "
-                          "(cargo build --workspace --all-targets makes it)")
+                          f"(cargo build {'' if smoke else '--release '}--workspace "
+                          "--all-targets makes it)")
         log(f"using the prebuilt {binary}")
         return binary
     profile = [] if smoke else ["--release"]
@@ -344,8 +362,8 @@ class Contenders:
         }
         self.base = base
 
-    def lib(self, who, mode, **opts):
-        cmd = list(self.cmds[who]) + [mode] + self.base
+    def lib(self, who, mode, pool=POOL, **opts):
+        cmd = list(self.cmds[who]) + [mode, "--conf", self.cl.conf, "--pool", pool]
         for k, v in opts.items():
             cmd += [f"--{k}", str(v)]
         return run_json(cmd, self.env)
@@ -666,6 +684,8 @@ def summarize(results):
         targets += burst_targets
     if results.get("snapshot"):
         s["snapshot"] = snapshot.summarize(results["snapshot"], spread, med)
+    if results.get("dr"):
+        s["dr"] = dr.summarize(results["dr"], spread, med)
     s["targets"] = targets
     return s
 
@@ -975,6 +995,7 @@ def render(results, summary, cfg, mode):
     L += node.render(results, summary, cfg, fmt_ratio, fmt_num)
     L += burst.render(results, summary, cfg, fmt_ratio, fmt_num)
     L += snapshot.render(results, summary, cfg, fmt_ratio, fmt_num)
+    L += dr.render(results, summary, cfg, fmt_ratio, fmt_num)
 
     if results.get("errors"):
         L.append("## Failures in this run")
@@ -1010,7 +1031,7 @@ def main():
     default_sections = [x for x in ALL_SECTIONS if not (in_root and x in K8S_SECTIONS)]
     ap.add_argument("--only", default=",".join(default_sections),
                     help="comma-separated sections to run (default: all; in a ceph-release "
-                         "root all but burst and snapshot)")
+                         "root all but burst, snapshot and dr)")
     ap.add_argument("--no-write", action="store_true",
                     help="full run, but print the table instead of writing BENCHMARKS.md")
     ap.add_argument("--render", action="store_true",
@@ -1069,13 +1090,15 @@ def main():
         if "data" in sections:
             results["data"] = section_data(c, cfg, errors, tag, pending)
         if "node" in sections:
-            results["node"] = node.section_node(c, cfg, errors, tag, mapper_bin, POOL, rotate,
-                                                settle)
+            results["node"] = node.section_node(c, cfg, errors, tag, mapper_bin, rotate, settle)
         if "burst" in sections:
             results["burst"] = burst.section_burst(c, cfg, errors, tag, provisioner_bin, POOL)
         if "snapshot" in sections:
             results["snapshot"] = snapshot.section_snapshot(c, cfg, errors, tag, provisioner_bin,
                                                             POOL)
+        if "dr" in sections:
+            # Two clusters, a control plane and a node of the test suite's own.
+            results["dr"] = dr.section_dr(cfg, errors)
     results["machine"] = machine_info()
     results["elapsed_s"] = time.perf_counter() - start
     summary = summarize(results)

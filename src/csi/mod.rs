@@ -181,6 +181,13 @@ pub struct CsiArgs {
     #[arg(long, default_value = "2s")]
     pub probe_timeout: humantime::Duration,
 
+    /// How often the node looks for space reclaim requests of the volumes it
+    /// has staged (csi-addons ReclaimSpaceJobs, relayed by the provisioner
+    /// through the image header): one header read per staged volume each
+    /// time. 0 turns it off.
+    #[arg(long, default_value = "30s")]
+    pub reclaim_poll: humantime::Duration,
+
     /// Address of the /healthz (the gRPC socket answers), /readyz (Probe
     /// is ready) and /metrics server; none without it.
     #[arg(long)]
@@ -373,7 +380,7 @@ pub async fn run_until(
         if let Some(m) = list.iter().find(|m| m.name() == default).cloned() {
             ready_check = Some(Arc::new(move || m.ready()));
         }
-        Some(
+        Some(Arc::new(
             node::NodeService::new(Arc::clone(&driver), list, default, args.state_dir.clone())
                 .default_fs(args.default_fstype.clone())
                 .read_affinity(
@@ -381,7 +388,7 @@ pub async fn run_until(
                     args.crush_location_labels.clone(),
                     node_labels.clone(),
                 ),
-        )
+        ))
     } else {
         None
     };
@@ -411,6 +418,17 @@ pub async fn run_until(
                 .await
         }
     });
+
+    let reclaim_poll: Duration = args.reclaim_poll.into();
+    let reclaimer = node_service
+        .as_ref()
+        .filter(|_| !reclaim_poll.is_zero())
+        .map(|n| {
+            let mut rx = stop_rx.clone();
+            tokio::spawn(Arc::clone(n).run_reclaim(reclaim_poll, async move {
+                let _ = rx.changed().await;
+            }))
+        });
 
     let identity = identity::IdentityService::new(
         Arc::clone(&driver),
@@ -448,13 +466,16 @@ pub async fn run_until(
                 &driver,
             )))
         }))
-        .add_optional_service(node_service.map(NodeServer::new));
+        .add_optional_service(node_service.map(NodeServer::from_arc));
     let served = router
         .serve_with_incoming_shutdown(UnixListenerStream::new(listener), shutdown)
         .await;
     let _ = stop_tx.send(true);
     let _ = config_watch.await;
     let _ = reaper.await;
+    if let Some(r) = reclaimer {
+        let _ = r.await;
+    }
     if let Some(h) = http {
         let _ = h.await;
     }

@@ -39,6 +39,15 @@
 //! dir) for the next call that brings that user's credentials for the
 //! cluster (the userspace mapper releases it itself, at once).
 //!
+//! **Space reclaim.** Every `--reclaim-poll` the node reads, for each
+//! volume it staged read-write, the header xattr through which the
+//! provisioner relays a csi-addons ReclaimSpaceJob
+//! ([`NodeService::reclaim_pass`]), runs `fstrim` on a staged filesystem
+//! and answers in another xattr, both named after the job
+//! (`crate::provisioner::reclaim` says why this way). The volume is busy
+//! meanwhile, as during any other call on it: an unstage that comes then is
+//! ABORTED and retried by kubelet.
+//!
 //! **Checked before anything is done**: the filesystem type and
 //! `mkfsOptions` ([`fs::check_mkfs_options`]: an allow-list per mkfs, so no
 //! option reads or writes a host path). A stage repeated at the same
@@ -234,6 +243,9 @@ pub struct NodeService {
     read_affinity: ReadAffinityFlags,
     /// The cgroup v2 mount krbd volumes' `io.max` is written under.
     cgroup_root: PathBuf,
+    /// The header object of each staged volume, by volume id, once read:
+    /// a reclaim pass then reads one xattr per volume and opens no image.
+    header_oids: std::sync::Mutex<HashMap<String, String>>,
 }
 
 /// `--enable-read-affinity`, `--crush-location-labels`, and the node's
@@ -275,6 +287,7 @@ impl NodeService {
             default_fs: "ext4".to_owned(),
             read_affinity: ReadAffinityFlags::default(),
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
+            header_oids: std::sync::Mutex::new(HashMap::new()),
         }
     }
 
@@ -1017,6 +1030,210 @@ impl NodeService {
         std::fs::read_to_string(self.index_path(volume_id))
             .ok()
             .map(PathBuf::from)
+    }
+}
+
+impl NodeService {
+    /// Answers the space reclaim requests for the volumes staged here
+    /// read-write (csi-addons ReclaimSpaceJobs, relayed by the provisioner
+    /// through the image header: [`stage_lock::ImageLock::request_reclaim`]):
+    /// `fstrim` of a staged filesystem ([`fs::trim`], bounded by
+    /// [`fs::TRIM_TIMEOUT`]); nothing for a Block volume, whose free space
+    /// only its user knows (`blkdiscard` would erase it; the user's own
+    /// discards reach the image as they are issued). One xattr read of the
+    /// image's header object per staged volume (the object's name is read
+    /// once per stage), as the Ceph user that staged it, with the credentials
+    /// an earlier call brought (a volume of a user none has brought since
+    /// this server started waits for one). A request answered already (the
+    /// same id) is not run again, and a volume busy with another call is
+    /// left for the next pass. Returns how many requests it answered.
+    pub async fn reclaim_pass(&self) -> usize {
+        let Ok(entries) = std::fs::read_dir(self.state_dir.join("staged")) else {
+            return 0;
+        };
+        let mut answered = 0;
+        let mut staged = std::collections::HashSet::new();
+        for entry in entries.flatten() {
+            let p = entry.path();
+            if p.extension().and_then(|e| e.to_str()) != Some("path") {
+                continue;
+            }
+            let Ok(staging) =
+                std::fs::read(&p).map(|b| PathBuf::from(String::from_utf8_lossy(&b).into_owned()))
+            else {
+                continue;
+            };
+            let Ok(Some(stash)) = Stash::read(&staging) else {
+                continue;
+            };
+            if stash.read_only || stash.lock.is_none() || stash.device.is_none() {
+                continue;
+            }
+            staged.insert(stash.volume_id.clone());
+            match self.answer_reclaim(&stash, &staging).await {
+                Ok(true) => answered += 1,
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(volume = %stash.volume_id, error = %e.message(), "space reclaim request not answered; looked at again next pass")
+                }
+            }
+        }
+        self.header_oids
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|id, _| staged.contains(id));
+        answered
+    }
+
+    /// Answers the reclaim request of one staged volume, if it has a new
+    /// one: `Ok(true)` when it answered.
+    async fn answer_reclaim(&self, stash: &Stash, staging: &Path) -> Result<bool, Status> {
+        let vol = volume_id(&stash.volume_id)?;
+        let conn = match stash.user.as_deref() {
+            Some(u) => self.driver.connect_as(&vol.cluster_id, u).await?,
+            None if self.driver.clusters_known().contains(&vol.cluster_id) => Some(
+                self.driver
+                    .connect(&vol.cluster_id, &HashMap::new())
+                    .await?,
+            ),
+            None => None,
+        };
+        let Some(conn) = conn else {
+            return Ok(false);
+        };
+        let cached = self
+            .header_oids
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&stash.volume_id)
+            .cloned();
+        let oid = match cached {
+            Some(o) => o,
+            None => {
+                let o = self
+                    .lock_on(&conn, &vol, |l| Ok(l.oid().to_owned()))
+                    .await?;
+                self.header_oids
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(stash.volume_id.clone(), o.clone());
+                o
+            }
+        };
+        let n = self.driver.node_id.clone();
+        let (v, o) = (vol.clone(), oid.clone());
+        let (asked, done) = self
+            .driver
+            .ceph(&conn, move |c, _m| {
+                let io = c.ioctx_ns(&v.pool, &v.rados_namespace)?;
+                let Some(id) = stage_lock::reclaim_request_at(&io, &o, &n)? else {
+                    return Ok((None, None));
+                };
+                Ok((Some(id), stage_lock::reclaim_done_at(&io, &o, &n)?))
+            })
+            .await
+            .map_err(ceph_call_status)?;
+        let id = match (asked, done) {
+            (Some(id), Some(d)) if d.id == id => {
+                // Answered, but the request not taken away (a crash in
+                // between): take it away now.
+                self.record_reclaim_answer(&conn, &vol, &oid, d).await?;
+                return Ok(false);
+            }
+            (Some(id), _) => id,
+            (None, _) => return Ok(false),
+        };
+        // Busy with a stage, unstage or expansion: the next pass.
+        let Ok(_busy) = self.driver.begin(&stash.volume_id) else {
+            return Ok(false);
+        };
+        // Unstaged since it was read: nothing to trim.
+        if Stash::read(staging)?.is_none_or(|s| s.volume_id != stash.volume_id) {
+            return Ok(false);
+        }
+        let answer = match &stash.fs_type {
+            None => stage_lock::ReclaimDone {
+                id,
+                ok: true,
+                message: "a Block volume: its free space is known only to its user, \
+                          whose discards reach the image as they are issued; nothing trimmed"
+                    .into(),
+                trimmed: 0,
+            },
+            Some(_) => {
+                let target = staging.join(VOLUME);
+                let started = std::time::Instant::now();
+                let trimmed = blocking(move || {
+                    // Never the filesystem under an unmounted mount point.
+                    if !mount::is_mount_point(&target)? {
+                        return Err(Error::invalid(
+                            "fstrim",
+                            target.display().to_string(),
+                            "the volume's filesystem is not mounted there",
+                        ));
+                    }
+                    fs::trim(&target, fs::TRIM_TIMEOUT)
+                })
+                .await;
+                match trimmed {
+                    Ok(bytes) => stage_lock::ReclaimDone {
+                        id,
+                        ok: true,
+                        message: format!(
+                            "fstrim trimmed {bytes} bytes in {} ms",
+                            started.elapsed().as_millis()
+                        ),
+                        trimmed: bytes,
+                    },
+                    Err(e) => stage_lock::ReclaimDone {
+                        id,
+                        ok: false,
+                        message: format!("fstrim failed: {}", e.message()),
+                        trimmed: 0,
+                    },
+                }
+            }
+        };
+        tracing::info!(volume = %vol, ok = answer.ok, message = %answer.message, "space reclaim request answered");
+        self.record_reclaim_answer(&conn, &vol, &oid, answer)
+            .await?;
+        Ok(true)
+    }
+
+    /// Writes this node's answer to a reclaim request on the header object
+    /// `oid` and takes the request away ([`stage_lock::answer_reclaim_at`]).
+    async fn record_reclaim_answer(
+        &self,
+        conn: &crate::volume::clusters::Conn,
+        vol: &VolumeId,
+        oid: &str,
+        answer: stage_lock::ReclaimDone,
+    ) -> Result<(), Status> {
+        let n = self.driver.node_id.clone();
+        let (v, o) = (vol.clone(), oid.to_owned());
+        self.driver
+            .ceph(conn, move |c, _m| {
+                let io = c.ioctx_ns(&v.pool, &v.rados_namespace)?;
+                Ok(stage_lock::answer_reclaim_at(&io, &o, &n, &answer)?)
+            })
+            .await
+            .map_err(ceph_call_status)
+    }
+
+    /// Runs [`NodeService::reclaim_pass`] every `interval` until `stop`.
+    pub async fn run_reclaim(
+        self: Arc<Self>,
+        interval: Duration,
+        stop: impl std::future::Future<Output = ()>,
+    ) {
+        tokio::pin!(stop);
+        loop {
+            tokio::select! {
+                _ = &mut stop => return,
+                _ = tokio::time::sleep(interval) => {}
+            }
+            self.reclaim_pass().await;
+        }
     }
 }
 

@@ -1,7 +1,7 @@
 //! Filesystems on a mapped device, with the node's e2fsprogs and xfsprogs:
 //! probing (`blkid`), making (`mkfs.ext4`, `mkfs.xfs`), growing
-//! (`resize2fs`, `xfs_growfs`), usage (`statvfs(3)`) and the device size
-//! (`ioctl(BLKGETSIZE64)`).
+//! (`resize2fs`, `xfs_growfs`), trimming (`fstrim`), usage (`statvfs(3)`)
+//! and the device size (`ioctl(BLKGETSIZE64)`).
 //!
 //! A device is formatted only when blank: one that already holds a
 //! filesystem of another type, or a partition table, is an error and is
@@ -23,6 +23,8 @@ pub const PROBE_TIMEOUT: Duration = Duration::from_secs(60);
 pub const MKFS_TIMEOUT: Duration = Duration::from_secs(600);
 /// Bound on `resize2fs` / `xfs_growfs`.
 pub const GROW_TIMEOUT: Duration = Duration::from_secs(600);
+/// Bound on one `fstrim` of a staged filesystem.
+pub const TRIM_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// Filesystem types this node formats and grows.
 pub const SUPPORTED: &[&str] = &["ext4", "ext3", "ext2", "xfs"];
@@ -535,6 +537,31 @@ pub fn grow(device: &Path, mount_point: &Path, fstype: &str) -> Result<()> {
     }
 }
 
+/// Discards the free space of the filesystem mounted at `mount_point`
+/// (`fstrim -v`), waiting at most `timeout` (then `fstrim` is killed; a
+/// later run starts over, which only discards again). Returns the bytes
+/// `fstrim` reports trimmed (0 when it prints no count). The discards reach
+/// the image: krbd sends them as discards, rbdkit-fuse's loop device as
+/// FALLOCATE, which becomes `rbd_aio_write_zeroes` (whole objects freed).
+pub fn trim(mount_point: &Path, timeout: Duration) -> Result<u64> {
+    let mp = mount_point.display().to_string();
+    let out = command::run("fstrim", "fstrim", &["-v", &mp], &mp, timeout)?;
+    let out = check("fstrim", &mp, out)?;
+    Ok(trimmed_bytes(&out.stdout))
+}
+
+/// The byte count of `fstrim -v`'s line: `/mnt: 1 GiB (1073741824 bytes)
+/// trimmed`.
+fn trimmed_bytes(text: &str) -> u64 {
+    text.lines()
+        .filter_map(|l| {
+            let (before, _) = l.split_once(" bytes)")?;
+            let (_, n) = before.rsplit_once('(')?;
+            n.trim().parse::<u64>().ok()
+        })
+        .sum()
+}
+
 /// Usage of the filesystem holding `path`, from `statvfs(3)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FsStats {
@@ -618,6 +645,17 @@ pub fn device_size(device: &Path) -> Result<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fstrim_counts_are_read() {
+        assert_eq!(
+            trimmed_bytes("/mnt/x: 12 MiB (12582912 bytes) trimmed\n"),
+            12582912
+        );
+        assert_eq!(trimmed_bytes("/mnt/x: 0 B (0 bytes) trimmed\n"), 0);
+        assert_eq!(trimmed_bytes(""), 0);
+        assert_eq!(trimmed_bytes("garbage (x bytes) trimmed"), 0);
+    }
 
     #[test]
     fn xfs_always_gets_nouuid_once() {

@@ -398,6 +398,103 @@ impl ImageLock {
     }
 }
 
+/// The header xattr, followed by the node id, asking that node to reclaim
+/// the image's free space (its value: the request's id).
+const RECLAIM_REQUEST_XATTR: &str = "rbdkit.reclaim.request.";
+/// The header xattr, followed by the node id, with that node's answer
+/// ([`ReclaimDone`]).
+const RECLAIM_DONE_XATTR: &str = "rbdkit.reclaim.done.";
+
+/// A node's answer to a space reclaim request
+/// ([`ImageLock::request_reclaim`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReclaimDone {
+    /// The request's id.
+    pub id: String,
+    /// Whether it was done.
+    pub ok: bool,
+    /// What was done, or why not.
+    pub message: String,
+    /// Bytes the filesystem trimmed (as `fstrim` counts them: the free
+    /// space it discarded, not all of it newly freed).
+    pub trimmed: u64,
+}
+
+/// The reclaim request for `node_id` on the image whose header object is
+/// `oid` (see [`ImageLock::oid`]), if any: one xattr read, for a node that
+/// looks often and knows the header already.
+pub fn reclaim_request_at(io: &IoCtx, oid: &str, node_id: &str) -> Result<Option<String>> {
+    match io.xattr_get(oid, &format!("{RECLAIM_REQUEST_XATTR}{node_id}")) {
+        Ok(v) => Ok(Some(String::from_utf8_lossy(&v).into_owned())),
+        Err(e) if is_missing(&e) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// `node_id`'s latest answer to a reclaim request on the image whose
+/// header object is `oid`, if any (an unreadable one is none).
+pub fn reclaim_done_at(io: &IoCtx, oid: &str, node_id: &str) -> Result<Option<ReclaimDone>> {
+    match io.xattr_get(oid, &format!("{RECLAIM_DONE_XATTR}{node_id}")) {
+        Ok(v) => Ok(serde_json::from_slice(&v).ok()),
+        Err(e) if is_missing(&e) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Records `node_id`'s answer, then takes its request away if it is still
+/// the one answered, so a node looking for requests reads one missing
+/// xattr per image in the steady state. (A request made anew between the
+/// two is taken away too; its maker, seeing no answer with its id and no
+/// request, asks again.)
+pub fn answer_reclaim_at(io: &IoCtx, oid: &str, node_id: &str, done: &ReclaimDone) -> Result<()> {
+    let value = serde_json::to_vec(done).unwrap_or_default();
+    io.xattr_set(oid, &format!("{RECLAIM_DONE_XATTR}{node_id}"), &value)?;
+    if reclaim_request_at(io, oid, node_id)?.as_deref() == Some(done.id.as_str()) {
+        match io.xattr_remove(oid, &format!("{RECLAIM_REQUEST_XATTR}{node_id}")) {
+            Err(e) if !is_missing(&e) => return Err(e),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+impl ImageLock {
+    /// Asks `node_id` to reclaim the image's free space (request `id`;
+    /// asking again with the same id changes nothing). The node plugin
+    /// answers with [`answer_reclaim_at`].
+    pub fn request_reclaim(&self, node_id: &str, id: &str) -> Result<()> {
+        self.io.xattr_set(
+            &self.oid,
+            &format!("{RECLAIM_REQUEST_XATTR}{node_id}"),
+            id.as_bytes(),
+        )
+    }
+
+    /// The reclaim request for `node_id`, if any.
+    pub fn reclaim_request(&self, node_id: &str) -> Result<Option<String>> {
+        reclaim_request_at(&self.io, &self.oid, node_id)
+    }
+
+    /// `node_id`'s latest answer, if any (an unreadable one is none).
+    pub fn reclaim_done(&self, node_id: &str) -> Result<Option<ReclaimDone>> {
+        reclaim_done_at(&self.io, &self.oid, node_id)
+    }
+
+    /// The nodes holding the staging lock (by cookie), sorted, and whether
+    /// it is held exclusively.
+    pub fn staged_on(&self) -> Result<(Vec<String>, bool)> {
+        let h = self.holders()?;
+        let mut nodes: Vec<String> = h
+            .lockers
+            .iter()
+            .filter_map(|l| node_of(&l.cookie).map(str::to_owned))
+            .collect();
+        nodes.sort();
+        nodes.dedup();
+        Ok((nodes, h.exclusive))
+    }
+}
+
 /// An address without its messenger prefix (`v1:`, `v2:`, `any:`), as
 /// records and blocklists write it.
 pub fn bare_addr(addr: &str) -> &str {

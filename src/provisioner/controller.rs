@@ -127,6 +127,9 @@ pub struct Context {
     pub legacy_secret: Option<SecretRef>,
     /// The KMS config file (read at each encrypted create).
     pub kms_config: std::path::PathBuf,
+    /// Claims' reclaim space schedule annotations are synced to
+    /// ReclaimSpaceCronJobs (`--reclaim-space`).
+    pub reclaim_space: bool,
     /// Bound on one mirror promote or demote (`--mirror-op-timeout`).
     pub mirror_op_timeout: std::time::Duration,
     /// PVs (by uid) whose volume this process deleted, so that the echo of
@@ -179,6 +182,7 @@ impl Context {
             adopt: BTreeSet::new(),
             legacy_secret: None,
             kms_config: crate::volume::kms::DEFAULT_CONFIG_PATH.into(),
+            reclaim_space: false,
             mirror_op_timeout: DEFAULT_MIRROR_OP_TIMEOUT,
             deleted: Mutex::new(HashMap::new()),
             pv_cache: Mutex::new(None),
@@ -189,6 +193,13 @@ impl Context {
     /// Reads the KMS config for encrypted volumes from `path`.
     pub fn with_kms_config(mut self, path: std::path::PathBuf) -> Self {
         self.kms_config = path;
+        self
+    }
+
+    /// Syncs claims' reclaim space schedule annotations to
+    /// ReclaimSpaceCronJobs (`--reclaim-space`).
+    pub fn with_reclaim_space(mut self, on: bool) -> Self {
+        self.reclaim_space = on;
         self
     }
 
@@ -502,7 +513,7 @@ fn handed_to(claim: &PersistentVolumeClaim, provisioner: &str) -> bool {
 
 /// Whether `claim`'s storage-provisioner annotation (either form) names
 /// `provisioner`.
-fn for_provisioner(claim: &PersistentVolumeClaim, provisioner: &str) -> bool {
+pub(crate) fn for_provisioner(claim: &PersistentVolumeClaim, provisioner: &str) -> bool {
     let annotations = claim.annotations();
     [ANN_STORAGE_PROVISIONER, ANN_STORAGE_PROVISIONER_BETA]
         .iter()
@@ -718,7 +729,16 @@ pub async fn reconcile_claim(
             }
         }
     };
-    let out = ctx.limiter.scoped(claim_inner(&claim, &ctx)).await;
+    let mut out = ctx.limiter.scoped(claim_inner(&claim, &ctx)).await;
+    let bound = claim.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound");
+    if out.is_ok() && ctx.reclaim_space && bound && for_provisioner(&claim, &ctx.name) {
+        let sync = crate::provisioner::reclaim::sync_claim_schedule(&ctx, &claim);
+        if let Err(e) = ctx.limiter.scoped(sync).await {
+            let why = format!("cannot sync the reclaim space schedule: {e}");
+            tracing::warn!(claim = %claim_key(&claim), "{why}");
+            out = Err(ReconcileError(why));
+        }
+    }
     if out.is_ok() {
         ctx.claim_failures.succeeded(&claim_key(&claim));
     }

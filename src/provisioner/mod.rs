@@ -22,6 +22,8 @@
 //! - [`out_of_service`]: Nodes with the out-of-service taint fenced, their
 //!   staging locks broken, and the fence lifted when the taint goes.
 //! - [`network_fence`]: csi-addons NetworkFences (CIDR blocks fenced).
+//! - [`reclaim`]: csi-addons ReclaimSpaceJobs and ReclaimSpaceCronJobs, and
+//!   claims' reclaim schedules ([`cron`]).
 //! - [`replication`]: csi-addons VolumeReplications (RBD mirroring).
 //! - [`key_rotation`]: csi-addons EncryptionKeyRotationJobs (a new
 //!   passphrase for an encrypted volume).
@@ -33,6 +35,7 @@
 pub mod content;
 pub mod controller;
 pub mod crd;
+pub mod cron;
 pub mod encryption;
 pub mod group_snapshots;
 pub mod key_rotation;
@@ -42,6 +45,7 @@ pub mod modify;
 pub mod network_fence;
 pub mod out_of_service;
 pub mod pv;
+pub mod reclaim;
 pub mod replication;
 pub mod secrets;
 pub mod snapshots;
@@ -206,6 +210,14 @@ pub struct ProvisionerArgs {
     /// a log line, while the snapshot CRDs are not installed).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub snapshots: bool,
+
+    /// Reconcile csi-addons ReclaimSpaceJobs and ReclaimSpaceCronJobs of
+    /// this provisioner's claims, and turn a claim's
+    /// `reclaimspace.csiaddons.openshift.io/schedule` annotation into a
+    /// ReclaimSpaceCronJob (waits, with a log line, while the CRDs are not
+    /// installed).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub reclaim_space: bool,
 
     /// Handle the csi-addons VolumeReplications whose class names this
     /// provisioner (RBD mirroring; waits, with a log line, while the
@@ -404,6 +416,7 @@ pub async fn run_until(
         )
         .with_legacy(adopt, legacy_secret)
         .with_kms_config(args.kms_config.clone())
+        .with_reclaim_space(args.reclaim_space)
         .with_mirror_op_timeout(args.mirror_op_timeout.into()),
     );
 
@@ -557,6 +570,12 @@ async fn run_controllers(
     );
     let nodes = out_of_service::run(Arc::clone(&ctx), config.clone(), shutdown.clone());
     let fences = network_fence::run(Arc::clone(&ctx), config.clone(), shutdown.clone());
+    let reclaims = reclaim::run(
+        Arc::clone(&ctx),
+        config.clone(),
+        ctx.reclaim_space,
+        shutdown.clone(),
+    );
     let strip = Arc::clone(&ctx);
     let pv_controller = Controller::for_stream(
         watch_all(pvs)
@@ -607,7 +626,7 @@ async fn run_controllers(
     );
     // `synced` never ends: it is dropped with the controllers.
     tokio::select! {
-        _ = async { futures::join!(claims, volumes, snapshots, group_snapshots, replication, key_rotation, classes, nodes, fences) } => {}
+        _ = async { futures::join!(claims, volumes, snapshots, group_snapshots, replication, key_rotation, classes, nodes, fences, reclaims) } => {}
         _ = synced => {}
         _ = maintenance => {}
     }

@@ -692,6 +692,24 @@ impl Image {
         Ok(())
     }
 
+    /// [`Image::sparsify`] that stops once `deadline` passes, with an
+    /// [`ErrorKind::TimedOut`] error; a later call goes on (sparsify only
+    /// deallocates runs that read as zeroes, so doing a range again is
+    /// harmless). Wraps `rbd_sparsify_with_progress`, whose progress
+    /// callback checks the deadline.
+    pub fn sparsify_with_deadline(&self, sparse_size: usize, deadline: Instant) -> Result<()> {
+        crate::util::with_deadline(
+            deadline,
+            "rbd_sparsify_with_progress",
+            || self.spec(),
+            |cb, arg| {
+                // SAFETY: the image is open; `cb`/`arg` are the deadline
+                // callback and its `Instant`, which outlives this call.
+                unsafe { sys::rbd_sparsify_with_progress(self.raw, sparse_size, cb, arg) }
+            },
+        )
+    }
+
     /// Bytes allocated in the image's head, as `rbd du` reports them: the sum
     /// of the extents that exist, counted in whole objects. Uses
     /// `rbd_diff_iterate2` (fast with the `fast-diff` feature).
@@ -699,6 +717,22 @@ impl Image {
         let size = self.size()?;
         let mut used = 0u64;
         self.diff_iterate(None, 0, size, false, true, |_, len, exists| {
+            if exists {
+                used += len;
+            }
+            std::ops::ControlFlow::Continue(())
+        })?;
+        Ok(used)
+    }
+
+    /// Bytes allocated in the image's head, counted by extent rather than
+    /// by whole object: what the objects really hold (a 4 MiB object with
+    /// one 4 KiB block written counts 4 KiB, where [`Image::disk_usage`]
+    /// counts 4 MiB). Uses `rbd_diff_iterate2` with `whole_object` off.
+    pub fn allocated_bytes(&self) -> Result<u64> {
+        let size = self.size()?;
+        let mut used = 0u64;
+        self.diff_iterate(None, 0, size, false, false, |_, len, exists| {
             if exists {
                 used += len;
             }

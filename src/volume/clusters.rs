@@ -544,6 +544,12 @@ impl Connections {
         }
     }
 
+    /// The bound on every Ceph call of its connections (what a long call
+    /// cut by a deadline, such as a sparsify, is given at a time).
+    pub fn op_timeout(&self) -> Duration {
+        self.op_timeout
+    }
+
     /// A connection to `cluster` as `creds.user`, made now if there is no
     /// usable one.
     pub async fn get(&self, cluster: &ClusterInfo, creds: &Credentials) -> crate::Result<Conn> {

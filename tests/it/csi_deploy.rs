@@ -278,8 +278,10 @@ async fn apply(client: &kube::Client, doc: &Value, dry_run: bool) -> Result<(), 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_manifest_passes_server_side_dry_run() {
     let client = ControlPlane::shared().client().await;
-    // deploy/example has a VolumeSnapshotClass: its CRD must be there.
+    // deploy/example has a VolumeSnapshotClass and a VolumeReplicationClass:
+    // their CRDs must be there.
     support::snapshots::install_crds(&client).await;
+    support::replication::install_crds(&client).await;
     let docs = manifests();
     // Namespaced objects can only be dry-run in a namespace that exists.
     for (file, d) in docs.iter().filter(|(_, d)| d["kind"] == "Namespace") {

@@ -35,6 +35,7 @@ mod node_group_snapshots;
 mod node_mount;
 mod node_qos;
 mod node_race;
+mod node_reclaim;
 mod node_topology;
 mod parsers_prop;
 mod provisioner_apiserver_restart;

@@ -51,6 +51,11 @@ fn manifests_parse_and_agree_with_the_provisioner() {
             "PersistentVolumeClaim" => drop(typed::<PersistentVolumeClaim>(file, d)),
             // Checked in tests/it/provisioner_snapshots.rs.
             "VolumeSnapshotClass" => {}
+            // Checked in tests/it/node_group_snapshots.rs.
+            "VolumeGroupSnapshotClass" => {}
+            // csi-addons' kind; tests/it/mirror_dr.rs makes a class of its
+            // own with the same fields.
+            "VolumeReplicationClass" => {}
             other => panic!("{file}: unexpected kind {other:?}"),
         }
     }

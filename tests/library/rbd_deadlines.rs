@@ -1,5 +1,6 @@
-//! Long-running librbd calls (remove, trash remove, flatten) stopped by a
-//! deadline through their progress callbacks, against a real cluster.
+//! Long-running librbd calls (remove, trash remove, flatten, sparsify)
+//! stopped by a deadline through their progress callbacks, against a real
+//! cluster.
 
 use crate::support;
 
@@ -121,4 +122,36 @@ fn flatten_stops_at_its_deadline_and_a_retry_finishes() {
     drop(child);
     parent.snap_unprotect("s").unwrap();
     parent.snap_remove("s").unwrap();
+}
+
+#[test]
+fn sparsify_stops_at_its_deadline_and_a_retry_finishes() {
+    let ns = TestNs::new("dl-sparsify");
+    rbd::create(&ns.ioctx, "big", 64 * GIB, &slow_opts()).unwrap();
+    let img = Image::open(&ns.ioctx, "big").unwrap();
+    // One object of zeroes to deallocate, one of data to keep.
+    img.write(0, &vec![0u8; 4 << 20]).unwrap();
+    img.write(8 << 20, &[7u8; 4096]).unwrap();
+    let before = img.allocated_bytes().unwrap();
+    assert!(
+        before >= (4 << 20) + 4096,
+        "the zeroes are allocated: {before}"
+    );
+    // Counted by extent, not by object: the 4 KiB of data is 4 KiB.
+    assert!(img.disk_usage().unwrap() >= 8 << 20);
+    let t = Instant::now();
+    let r = img.sparsify_with_deadline(64 << 10, t + DEADLINE);
+    let stopped = assert_stopped(r, t, "sparsify");
+    let t = Instant::now();
+    img.sparsify_with_deadline(64 << 10, t + Duration::from_secs(600))
+        .unwrap();
+    assert_early(stopped, t.elapsed(), "sparsify");
+    let after = img.allocated_bytes().unwrap();
+    assert!(
+        after <= 64 << 10,
+        "allocated {before} bytes before, {after} after"
+    );
+    let mut back = vec![0u8; 4096];
+    img.read_exact(8 << 20, &mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 7), "the data was kept");
 }

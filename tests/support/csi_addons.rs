@@ -53,3 +53,12 @@ pub fn cluster_api(client: &kube::Client, kind: &str) -> Api<DynamicObject> {
         ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, "v1alpha1", kind), &plural);
     Api::all_with(client.clone(), &r)
 }
+
+/// A namespaced csi-addons kind (`ReclaimSpaceJob`,
+/// `ReclaimSpaceCronJob`) in `ns`.
+pub fn namespaced_api(client: &kube::Client, ns: &str, kind: &str) -> Api<DynamicObject> {
+    let plural = format!("{}s", kind.to_lowercase());
+    let r =
+        ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, "v1alpha1", kind), &plural);
+    Api::namespaced_with(client.clone(), ns, &r)
+}
