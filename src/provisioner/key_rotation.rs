@@ -25,12 +25,16 @@
 //! retries ("Maximum retry limit reached") or `retryDeadlineSeconds` after
 //! the job's creation ("Time limit reached"); 0 for either means its
 //! default (6, 600 s), as in csi-addons. What no retry can change (the
-//! claim missing, bound to another driver's volume, not encrypted, its
+//! claim missing, not encrypted, its
 //! header not written yet, or a KMS that gives every volume the Secret's
 //! passphrase, the `default` kind) is `Failed` at once with a message and
 //! a Warning event naming it, and nothing is changed. `spec.timeout`
 //! (csi-addons' gRPC timeout) is not used: each Ceph and Vault call has
 //! its own bound.
+//!
+//! A job whose claim is bound to another driver's volume is left alone (no
+//! status, no event): the jobs carry no driver, and csi-addons' own
+//! controller may serve that driver in the same cluster.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -141,6 +145,8 @@ enum Failure {
     Refused(String),
     /// A retry may.
     Transient(String),
+    /// Another driver's volume: not ours to touch or to fail.
+    NotOurs(String),
 }
 
 /// The status a reconcile writes, csi-addons' fields.
@@ -278,7 +284,12 @@ pub async fn reconcile(
             .await
             .map(Some)
     };
+    if let Err(Failure::NotOurs(why)) = &outcome {
+        tracing::debug!(job = %key(&job), why, "not this provisioner's; left alone");
+        return Ok(Action::await_change());
+    }
     let retry = match outcome {
+        Err(Failure::NotOurs(_)) => None,
         Ok(None) => {
             ctx.events
                 .warning(
@@ -345,7 +356,7 @@ pub async fn reconcile(
 /// Rotates the passphrase of the volume of claim `ns`/`claim`; its volume
 /// handle.
 async fn rotate_claim(ctx: &Context, ns: &str, claim: &str) -> Result<String, Failure> {
-    use Failure::{Refused, Transient};
+    use Failure::{NotOurs, Refused, Transient};
     let what = format!("PersistentVolumeClaim {ns}/{claim}");
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(ctx.client.clone(), ns);
     let pvc = claims
@@ -366,7 +377,7 @@ async fn rotate_claim(ctx: &Context, ns: &str, claim: &str) -> Result<String, Fa
         .ok_or_else(|| Transient(format!("PersistentVolume {pv_name} of {what} not found")))?;
     let vol: VolumeId = crate::volume::pv::our_volume(&pv, &ctx.name)
         .ok_or_else(|| {
-            Refused(format!(
+            NotOurs(format!(
                 "{what} is bound to PersistentVolume {pv_name}, which is not a volume of \
                  provisioner {:?}: its driver rotates its keys",
                 ctx.name

@@ -310,6 +310,63 @@ async fn a_key_rotation_job_gives_an_encrypted_claim_a_new_passphrase_and_refuse
         "the plain volume changed"
     );
 
+    // A claim bound to another driver's volume: left alone, no status and
+    // no event (csi-addons' controller may serve that driver).
+    let foreign_pv = format!("{}-foreign", env.ns);
+    Api::<k8s_openapi::api::core::v1::PersistentVolume>::all(env.client.clone())
+        .create(
+            &PostParams::default(),
+            &from_json(json!({
+                "metadata": {"name": foreign_pv},
+                "spec": {
+                    "capacity": {"storage": "1Mi"},
+                    "accessModes": ["ReadWriteOnce"],
+                    "persistentVolumeReclaimPolicy": "Retain",
+                    "storageClassName": "",
+                    "claimRef": {"namespace": env.ns, "name": "foreign"},
+                    "csi": {"driver": "other.csi.example", "volumeHandle": "elsewhere"},
+                },
+            })),
+        )
+        .await
+        .unwrap();
+    env.claims()
+        .create(
+            &PostParams::default(),
+            &from_json(json!({
+                "metadata": {"name": "foreign"},
+                "spec": {
+                    "storageClassName": "",
+                    "volumeName": foreign_pv,
+                    "accessModes": ["ReadWriteOnce"],
+                    "resources": {"requests": {"storage": "1Mi"}},
+                },
+            })),
+        )
+        .await
+        .unwrap();
+    env.wait_bound("foreign").await;
+    create_job(&env, "rotate-foreign", "foreign").await;
+    support::provisioner::stays(
+        "another driver's job untouched",
+        std::time::Duration::from_secs(5),
+        || async {
+            let j = jobs(&env)
+                .get("rotate-foreign")
+                .await
+                .map_err(|e| e.to_string())?;
+            let ev = env.event_summary("rotate-foreign").await;
+            match (&j.data.get("status"), ev.is_empty()) {
+                (None | Some(serde_json::Value::Null), true) => Ok(()),
+                (st, _) => Err(format!("status {st:?}, events {ev:?}")),
+            }
+        },
+    )
+    .await;
+    let _ = Api::<k8s_openapi::api::core::v1::PersistentVolume>::all(env.client.clone())
+        .delete(&foreign_pv, &Default::default())
+        .await;
+
     // No passphrase in any status or event.
     let mut text =
         serde_json::to_string(&jobs(&env).list(&Default::default()).await.unwrap()).unwrap();
