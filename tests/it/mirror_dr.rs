@@ -517,8 +517,10 @@ async fn fail_over_and_back(case: Case) {
         .await;
     w.class(&format!("{ns}-a"), "ceph-a").await;
     w.class(&format!("{ns}-b"), "ceph-b").await;
+    // Room for the two files the pods write, and ext4's own.
+    let size = format!("{}Mi", (2 * (file_bytes() >> 20) + 32).max(64));
     w.env
-        .claim("data", &sc, "64Mi", &["ReadWriteOnce"], "Filesystem")
+        .claim("data", &sc, &size, &["ReadWriteOnce"], "Filesystem")
         .await;
     let (_, pv_a) = w.env.wait_bound("data").await;
     let handle = pv_a
