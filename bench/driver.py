@@ -1071,7 +1071,8 @@ def main():
             rbdkit_bin = build_rbdkit(args.smoke)
         if "node" in sections:
             mapper_bin = build_mapper(args.smoke)
-        if set(sections) & K8S_SECTIONS:
+        # The dr group runs the test suite's own binary (bench/dr.py).
+        if set(sections) & (K8S_SECTIONS - {"dr"}):
             provisioner_bin = build_mapper(args.smoke)
     except (subprocess.CalledProcessError, OSError) as e:
         log(f"building the contenders failed: {e}")
