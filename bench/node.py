@@ -28,12 +28,16 @@ GiB = 1 << 30
 # The baseline first: ratios are over it.
 BASE = "rbd-bench-wt"
 CONTENDERS = [BASE, "rbd-bench", "mapper-block", "mapper-fs", "mapper-pod", "rbd-fuse",
-              "mapper-enc", "librbd", "librbd-enc"]
+              "mapper-enc", "librbd", "librbd-enc", "mapper-cacher"]
 NAMES = {BASE: "rbd bench, cache off", "rbd-bench": "rbd bench, cache on",
          "mapper-block": "mapper, block",
          "mapper-fs": "mapper, ext4 file", "mapper-pod": "mapper, ext4 as a pod gets it",
          "rbd-fuse": "rbd-fuse + loop", "mapper-enc": "mapper, block, LUKS2",
-         "librbd": "librbd (rbdkit-bench)", "librbd-enc": "librbd LUKS2 (rbdkit-bench)"}
+         "librbd": "librbd (rbdkit-bench)", "librbd-enc": "librbd LUKS2 (rbdkit-bench)",
+         "mapper-cacher": "mapper, block, rbd_cache=true"}
+# The map options of "mapper-cacher": librbd's ObjectCacher, write-through,
+# the mapper's default before issue 39 turned the cache off.
+CACHER_OPTIONS = ["rbd_cache=true"]
 # The LUKS2 passphrase of the encrypted image (a bench, not a secret).
 ENC_PASSPHRASE = "bench-passphrase-of-the-encrypted-image"
 # What LUKS2 takes of an image (its header; src/volume/luks.rs DATA_OFFSET).
@@ -221,9 +225,11 @@ class Mapper:
             raise NodeError(f"fuse-mapper {req['op']}: {r.get('error')}")
         return r
 
-    def attach(self, vol, pool, image, passphrase=None):
+    def attach(self, vol, pool, image, passphrase=None, options=None):
         req = {"op": "attach", "volume_id": vol, "monitors": [self.mon], "user": "admin",
                "key": self.key, "pool": pool, "image": image}
+        if options:
+            req["options"] = options
         if passphrase:
             req["encryption"] = passphrase
         r = self.ok(req, timeout=120)
@@ -539,9 +545,9 @@ class Node:
 
     # -- contenders ----------------------------------------------------------
 
-    def mapper_block(self, wl):
+    def mapper_block(self, wl, options=None):
         workload, bs, qd, ops = wl
-        dev = self.mapper.attach("bench-raw", self.pool, self.raw)
+        dev = self.mapper.attach("bench-raw", self.pool, self.raw, options=options)
         try:
             fsync_path(dev)
             cpu0 = self.mapper.cpu_s()
@@ -668,7 +674,8 @@ class Node:
             return self.librbd(wl, who == "librbd-enc")
         return {"mapper-block": self.mapper_block, "mapper-fs": self.mapper_fs,
                 "mapper-pod": self.mapper_pod, "rbd-fuse": self.rbd_fuse,
-                "mapper-enc": self.mapper_enc}[who](wl)
+                "mapper-enc": self.mapper_enc,
+                "mapper-cacher": lambda w: self.mapper_block(w, CACHER_OPTIONS)}[who](wl)
 
 
 def section_node(c, cfg, errors, tag, rbdkit_bin, rotate, settle):
@@ -735,6 +742,8 @@ def summarize(node, spread, med, target):
             ratios[f"{w} / {BASE}|{wk}"] = ratio(w, BASE)
         ratios[f"mapper-block / rbd-fuse|{wk}"] = ratio("mapper-block", "rbd-fuse")
         ratios[f"mapper-fs / rbd-fuse|{wk}"] = ratio("mapper-fs", "rbd-fuse")
+        ratios[f"mapper-cacher / {BASE}|{wk}"] = ratio("mapper-cacher", BASE)
+        ratios[f"mapper-block / mapper-cacher|{wk}"] = ratio("mapper-block", "mapper-cacher")
         ratios[f"mapper-enc / mapper-block|{wk}"] = ratio("mapper-enc", "mapper-block")
         ratios[f"librbd-enc / librbd|{wk}"] = ratio("librbd-enc", "librbd")
         ratios[f"mapper-enc / librbd-enc|{wk}"] = ratio("mapper-enc", "librbd-enc")
@@ -768,7 +777,7 @@ def render(results, summary, cfg, fmt_ratio, fmt_num):
              f"uses a second image of the same size holding one fully written "
              f"{node['fs_file_bytes'] // MiB} MiB file. **Baseline: `rbd bench "
              "--rbd_cache=false`**, librbd write-through: a write is answered once RADOS has "
-             "it, as the mapper answers it (its cache is always write-through); `rbd bench` "
+             "it, as the mapper answers it (librbd's cache off, its default since issue 39); `rbd bench` "
              "with librbd's default cache (`--rbd_cache=true`, write-back once its first flush "
              "has ended the write-through-until-flush phase) is a separate row. Every rate is "
              "the harness's own: the ops it asked for over the time it measured (fio's "
@@ -806,6 +815,19 @@ def render(results, summary, cfg, fmt_ratio, fmt_num):
                            "librbd"]]
         L.append(f"| {wk} | {refs} | " + " | ".join(cells) +
                  f" | {fmt_ratio(r.get(f'mapper-block / rbd-fuse|{wk}'))} |")
+    L.append("")
+    L.append("The mapper's librbd cache (issue 39): *mapper, block* runs with `rbd_cache=false`, "
+             "the default since issue 39; *mapper, block, rbd_cache=true* is the same device "
+             "with the map option `rbd_cache=true`: librbd's ObjectCacher, write-through, the "
+             "default before. Ratios per round, median (min–max):")
+    L.append("")
+    L.append("| workload | cache off / write-through `rbd bench` | ObjectCacher / "
+             "write-through `rbd bench` | cache off / ObjectCacher |")
+    L.append("|---|---|---|---|")
+    for wk in node["workloads"]:
+        L.append(f"| {wk} | {fmt_ratio(r.get(f'mapper-block / {BASE}|{wk}'))} | "
+                 f"{fmt_ratio(r.get(f'mapper-cacher / {BASE}|{wk}'))} | "
+                 f"{fmt_ratio(r.get(f'mapper-block / mapper-cacher|{wk}'))} |")
     L.append("")
     L.append("Absolute medians of this run (IOPS, MiB/s, fio's mean completion latency):")
     L.append("")

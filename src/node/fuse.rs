@@ -85,8 +85,10 @@
 //!   or 4096; default 512, as krbd's, so an XFS with 512-byte sectors or an
 //!   ext4 with 1 KiB blocks made on a krbd device mounts here too).
 //! - `read_only` (or `ro`): map read-only, as a read-only volume does.
-//! - librbd settings for this image, each `name=value`: `rbd_cache`,
-//!   `rbd_cache_writethrough_until_flush` (`true`/`false`),
+//! - librbd settings for this image, each `name=value`: `rbd_cache`
+//!   (default `false`: no ObjectCacher; `true` gives a write-through one,
+//!   which reads ahead), `rbd_cache_writethrough_until_flush`
+//!   (`true`/`false`),
 //!   `rbd_cache_policy` (only `writethrough`, which the daemon sets anyway:
 //!   a cache that answers writes before RADOS has them would lose them when
 //!   the worker restarts, while the filesystem above sees no error),

@@ -19,12 +19,14 @@
 //! **No double caching**: the loop device is bound with `LO_FLAGS_DIRECT_IO`
 //! and every open of the file gets `FOPEN_DIRECT_IO`, so the file has no page
 //! cache; the only caches are the filesystem's page cache above the loop
-//! device and librbd's own cache. `status` reports
-//! `/sys/block/loopN/loop/dio` as `direct_io`. librbd's cache is always
-//! write-through here (a write is answered once RADOS has it): with its
-//! default, write-around, a write was answered before it was sent, so a
-//! worker killed then lost it while the next `fsync`, served by the new
-//! worker with nothing to flush, succeeded.
+//! device. librbd's cache is off (`rbd_cache=false`) unless a volume's
+//! map options turn it on, and then it is write-through. `status` reports
+//! `/sys/block/loopN/loop/dio` as `direct_io`. Either way a write is
+//! answered once RADOS has it: with librbd's default, write-around, a
+//! write was answered before it was sent, so a worker killed then lost it
+//! while the next `fsync`, served by the new worker with nothing to flush,
+//! succeeded. Off is the default because a write-through ObjectCacher
+//! holds no dirty data and costs CPU on every request.
 //!
 //! # Isolation
 //! Every image is served through one FUSE connection, and the kernel lets
@@ -1122,6 +1124,12 @@ impl Daemon {
             .key(spec.key.clone())
             .connect_timeout(self.timeout)
             .op_timeout(self.timeout);
+        // No ObjectCacher unless the volume asks for one: write-through it
+        // keeps no data worth having, and it was about 40 % of the
+        // mapper's CPU per 4 KiB request (bench/analysis.md, issue 39).
+        if !opts.librbd.iter().any(|(k, _)| k == "rbd_cache") {
+            options = options.set("rbd_cache", "false");
+        }
         for (k, v) in &opts.librbd {
             options = options.set(k.clone(), v.clone());
         }

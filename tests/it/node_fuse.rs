@@ -1055,9 +1055,11 @@ fn bad_map_options_are_refused_naming_the_option() {
     assert!(e.to_string().contains("\"lazy\""), "{e}");
 }
 
-/// An image-level override of librbd's cache policy (which beats the
-/// daemon's own `writethrough`) is refused, naming it, before any device
-/// is bound; a snapshot mapping, which takes no writes, is not refused.
+/// An image-level override that turns librbd's cache on with another
+/// policy (which beats the daemon's own `writethrough`) is refused, naming
+/// it, before any device is bound; a snapshot mapping, which takes no
+/// writes, is not refused, and neither is a policy override alone: the
+/// daemon's default is no cache at all.
 #[test]
 fn a_write_back_cache_override_is_refused() {
     let ns = TestNs::new("fuse-wb");
@@ -1066,6 +1068,11 @@ fn a_write_back_cache_override_is_refused() {
     rbd::create(&ns.ioctx, "img", 16 * MIB, &ImageOptions::new()).unwrap();
     let img = Image::open(&ns.ioctx, "img").unwrap();
     img.snap_create("s").unwrap();
+    img.metadata_set("conf_rbd_cache_policy", "writeback")
+        .unwrap();
+    d.mapper().map(&spec(&ns, "vol-wb", "img")).unwrap();
+    d.mapper().unmap("vol-wb", &[]).unwrap();
+    img.metadata_set("conf_rbd_cache", "true").unwrap();
     for policy in ["writeback", "writearound"] {
         img.metadata_set("conf_rbd_cache_policy", policy).unwrap();
         let e = d.mapper().map(&spec(&ns, "vol-wb", "img")).unwrap_err();
@@ -1087,6 +1094,7 @@ fn a_write_back_cache_override_is_refused() {
     img.metadata_remove("conf_rbd_cache_policy").unwrap();
     d.mapper().map(&spec(&ns, "vol-wb", "img")).unwrap();
     d.mapper().unmap("vol-wb", &[]).unwrap();
+    img.metadata_remove("conf_rbd_cache").unwrap();
 }
 
 #[test]
