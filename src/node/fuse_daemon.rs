@@ -1125,8 +1125,12 @@ impl Daemon {
             .connect_timeout(self.timeout)
             .op_timeout(self.timeout);
         // No ObjectCacher unless the volume asks for one: write-through it
-        // keeps no data worth having, and it was about 40 % of the
+        // keeps no data worth having, and it cost about a fifth of the
         // mapper's CPU per 4 KiB request (bench/analysis.md, issue 39).
+        // (Zero-copy writes, `rbd_disable_zero_copy_writes=false`, are not
+        // set: with a write-through ObjectCacher, which a pool or image
+        // override can still turn on, librbd keeps the caller's buffer in
+        // its cache and never answers the write; measured, issue 39.)
         if !opts.librbd.iter().any(|(k, _)| k == "rbd_cache") {
             options = options.set("rbd_cache", "false");
         }

@@ -956,8 +956,8 @@ fn map_options_set_up_the_device_and_librbd() {
         "{st:?}"
     );
     // Without options: an eighth of the connection's budget as the queue depth,
-    // librbd's defaults, and 512-byte sectors as krbd's, still with direct
-    // I/O on the file.
+    // no librbd settings of its own (the daemon's: the cache off), and
+    // 512-byte sectors as krbd's, still with direct I/O on the file.
     let plain = d.mapper().map(&spec(&ns, "vol-plain", "plain")).unwrap();
     assert_eq!(
         queue_attr(&plain, "nr_requests"),
