@@ -284,12 +284,11 @@ pub async fn reconcile(
             .await
             .map(Some)
     };
-    if let Err(Failure::NotOurs(why)) = &outcome {
-        tracing::debug!(job = %key(&job), why, "not this provisioner's; left alone");
-        return Ok(Action::await_change());
-    }
     let retry = match outcome {
-        Err(Failure::NotOurs(_)) => None,
+        Err(Failure::NotOurs(why)) => {
+            tracing::debug!(job = %key(&job), why, "not this provisioner's; left alone");
+            return Ok(Action::await_change());
+        }
         Ok(None) => {
             ctx.events
                 .warning(
