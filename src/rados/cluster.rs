@@ -142,6 +142,10 @@ pub struct ConnectOptions {
     connect_timeout: Option<Duration>,
     mon_op_timeout: Option<Duration>,
     osd_op_timeout: Option<Duration>,
+    /// Monitor and manager commands wait for their answer without a bound
+    /// of librados' own: only for [`Cluster::mgr_command`]'s connection,
+    /// whose caller bounds the wait instead.
+    unbounded_mon_ops: bool,
 }
 
 impl fmt::Debug for ConnectOptions {
@@ -164,6 +168,7 @@ impl fmt::Debug for ConnectOptions {
             .field("connect_timeout", &self.connect_timeout)
             .field("mon_op_timeout", &self.mon_op_timeout)
             .field("osd_op_timeout", &self.osd_op_timeout)
+            .field("unbounded_mon_ops", &self.unbounded_mon_ops)
             .finish()
     }
 }
@@ -188,6 +193,7 @@ impl ConnectOptions {
             connect_timeout: None,
             mon_op_timeout: None,
             osd_op_timeout: None,
+            unbounded_mon_ops: false,
         }
     }
 
@@ -266,6 +272,15 @@ impl ConnectOptions {
         self
     }
 
+    /// These options, with monitor and manager commands that wait for
+    /// their answer without librados' bound: only for
+    /// [`Cluster::mgr_command`]'s connection, whose caller bounds the wait.
+    pub(super) fn with_unbounded_mon_ops(&self) -> ConnectOptions {
+        let mut o = self.clone();
+        o.unbounded_mon_ops = true;
+        o
+    }
+
     /// The cephx user id this connects as.
     pub fn user_id(&self) -> &str {
         &self.user
@@ -314,6 +329,7 @@ impl ConnectOptions {
         let mut handle = ClusterHandle {
             raw,
             label: String::new(),
+            options: self.clone(),
         };
         // Ceph's built-in timeouts, read before any file: a value equal to
         // these after the file was read was not set by it.
@@ -391,6 +407,9 @@ impl ConnectOptions {
                 handle.conf_set(opt, &format!("{}", t.as_secs_f64().max(0.001)))?;
             }
         }
+        if self.unbounded_mon_ops {
+            handle.conf_set("rados_mon_op_timeout", "0")?;
+        }
 
         handle.label = self.label(&handle);
         // SAFETY: `raw` is a configured, not yet connected handle.
@@ -408,6 +427,9 @@ pub(crate) struct ClusterHandle {
     raw: sys::rados_t,
     /// Which cluster, for errors: monitors, conf file and user.
     label: String,
+    /// How it was made: [`Cluster::mgr_command`] opens its own connection
+    /// the same way.
+    options: ConnectOptions,
 }
 
 // SAFETY: librados' cluster handle (`librados::RadosClient`) guards its state
@@ -761,13 +783,14 @@ impl Cluster {
         )
     }
 
-    /// Sends a JSON command to the active manager, for its modules'
-    /// commands such as `{"prefix": "rbd mirror snapshot schedule add",
-    /// ...}` (the `rbd_support` module). Wraps `rados_mgr_command`.
-    ///
-    /// Bounded by the mon-op timeout: librados waits that long for the
-    /// manager's reply. Errors are as for [`Cluster::mon_command`].
-    pub fn mgr_command(&self, command_json: &str, input: &[u8]) -> Result<MonCommandReply> {
+    /// `rados_mgr_command` on this connection, waiting as librados does:
+    /// callers go through [`Cluster::mgr_command`], which never lets
+    /// librados' own timeout end the wait (see there).
+    pub(super) fn mgr_command_unbounded(
+        &self,
+        command_json: &str,
+        input: &[u8],
+    ) -> Result<MonCommandReply> {
         self.command(
             "rados_mgr_command",
             "mgr command",
@@ -775,7 +798,10 @@ impl Cluster {
             input,
             |a| {
                 // SAFETY: as in `mon_command`: valid command array, input and
-                // out-pointers for the call's duration.
+                // out-pointers for the call's duration. The connection waits
+                // for the reply without a bound (`unbounded_mon_ops`), so
+                // librados never returns while MgrClient still holds these
+                // out-pointers.
                 unsafe {
                     sys::rados_mgr_command(
                         self.raw(),
@@ -791,6 +817,16 @@ impl Cluster {
                 }
             },
         )
+    }
+
+    /// How it was made, for [`Cluster::mgr_command`]'s own connection.
+    pub(super) fn options(&self) -> &ConnectOptions {
+        &self.inner.options
+    }
+
+    /// The label errors name this cluster by.
+    pub(super) fn label(&self) -> &str {
+        &self.inner.label
     }
 
     /// The buffer handling `rados_mon_command` and `rados_mgr_command`
@@ -880,7 +916,7 @@ struct CommandArgs {
 
 /// The `"prefix"` of a JSON command, for error messages: `mon command
 /// 'auth add'`.
-fn command_prefix(kind: &str, json: &str) -> String {
+pub(super) fn command_prefix(kind: &str, json: &str) -> String {
     let Some(at) = json.find("\"prefix\"") else {
         return kind.into();
     };

@@ -10,6 +10,7 @@ mod blocklist;
 mod cluster;
 mod ioctx;
 mod lock;
+mod mgr;
 mod omap;
 mod secret;
 

@@ -457,3 +457,62 @@ fn object_locks_exclusive_shared_unlock_break() {
     assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
     io.remove(&oid).unwrap();
 }
+
+/// A manager command the manager answers only after the caller stopped
+/// waiting. Pacific's `rados_mgr_command` would let that late answer write
+/// into its freed stack frame and crash the process; rbdkit's waits on a
+/// thread and connection of its own, so the answer lands where it belongs.
+#[test]
+fn a_manager_answer_after_the_timeout_lands_safely() {
+    let private = support::ceph::PrivateCluster::start("mgrlate");
+    let c = private
+        .options()
+        .op_timeout(Duration::from_secs(3))
+        .connect()
+        .unwrap();
+    let stat = r#"{"prefix": "pg stat", "format": "json"}"#;
+    let reply = c
+        .mgr_command(stat, &[])
+        .expect("pg stat with the manager up");
+    assert!(!reply.output.is_empty(), "{reply:?}");
+
+    for round in 0..3 {
+        // Frozen, not stopped: the connection stays up, and the answer
+        // comes once the manager goes on.
+        private.pause_daemon("mgr.x", true);
+        let t = std::time::Instant::now();
+        let e = c.mgr_command(stat, &[]).unwrap_err();
+        let waited = t.elapsed();
+        assert_eq!(e.kind(), ErrorKind::TimedOut, "round {round}: {e}");
+        assert!(
+            waited >= Duration::from_secs(3) && waited < Duration::from_secs(15),
+            "round {round}: waited {waited:?}"
+        );
+        assert!(e.to_string().contains("mgr command 'pg stat'"), "{e}");
+        // The first still waits: a second is refused at once, not queued.
+        let t = std::time::Instant::now();
+        let e = c.mgr_command(stat, &[]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Busy, "round {round}: {e}");
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        private.pause_daemon("mgr.x", false);
+
+        // The late answer is taken; then commands are served again.
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            match c.mgr_command(stat, &[]) {
+                Ok(r) => {
+                    assert!(!r.output.is_empty());
+                    break;
+                }
+                Err(e) if std::time::Instant::now() < deadline => {
+                    assert!(
+                        matches!(e.kind(), ErrorKind::Busy | ErrorKind::TimedOut),
+                        "round {round}: {e}"
+                    );
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(e) => panic!("round {round}: the manager never answered again: {e}"),
+            }
+        }
+    }
+}
