@@ -44,6 +44,20 @@ def test_binary():
     raise RuntimeError("cargo built no `it` test binary")
 
 
+def failure_excerpt(stderr):
+    """What says why a run failed: each panic's message (the backtrace after
+    it left out), then the end of the output (the logs the test prints)."""
+    lines = stderr.splitlines()
+    keep = []
+    for i, line in enumerate(lines):
+        if "panicked at" in line:
+            for msg in lines[i:i + 30]:
+                if msg.startswith("stack backtrace:"):
+                    break
+                keep.append(msg)
+    return "\n".join(keep + ["--- end of the output ---", stderr[-1500:]])
+
+
 def run_case(binary, case, file_mib):
     env = dict(os.environ, RBDKIT_DR_FLOORS="1", RBDKIT_DR_FILE_MIB=str(file_mib),
                RBDKIT_DR_CASES=case)
@@ -56,9 +70,11 @@ def run_case(binary, case, file_mib):
             m = json.loads(line[len("DR-MEASURE "):])
             m["test_s"] = elapsed
             if p.returncode != 0:
-                raise RuntimeError(f"{case}: the test failed after measuring:\n{p.stderr[-3000:]}")
+                raise RuntimeError(f"{case}: the test failed after measuring:\n"
+                                   f"{failure_excerpt(p.stderr)}")
             return m
-    raise RuntimeError(f"{case}: no DR-MEASURE line (exit {p.returncode}):\n{p.stderr[-3000:]}")
+    raise RuntimeError(f"{case}: no DR-MEASURE line (exit {p.returncode}):\n"
+                       f"{failure_excerpt(p.stderr)}")
 
 
 def section_dr(cfg, errors):
