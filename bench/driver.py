@@ -302,9 +302,7 @@ class Cluster:
         self.conf = None
 
     def __enter__(self):
-        # Ceph's own op threads: the figures measure the OSD's throughput
-        # (scripts/ceph-test-cluster serialises them for tests).
-        env = dict(os.environ, CEPH_TEST_MEMSTORE_BYTES=self.memstore, CEPH_TEST_OSD_OP_THREADS="0")
+        env = dict(os.environ, CEPH_TEST_MEMSTORE_BYTES=self.memstore)
         log(f"starting a throwaway cluster in {self.dir} (memstore {self.memstore})")
         t = time.perf_counter()
         try:
