@@ -500,7 +500,9 @@ fn users(img: &Image, st: &ReplicationStatus) -> Result<usize, VolumeError> {
 /// Demotes `vol` here; a copy that is not primary is left as it is. A
 /// primary still staged on a node is not demoted (`InUse`; retry): writes
 /// after the demotion would fail, and the copy the peer gets would miss
-/// what the filesystem flushes at unmount.
+/// what the filesystem flushes at unmount. Nor is one that a peer whose
+/// daemon is up does not replay yet (`Refused`; retry): that peer would
+/// never copy it.
 pub fn demote(
     cluster: &Cluster,
     fence: &dyn Fence,
@@ -523,6 +525,26 @@ pub fn demote(
         return Err(VolumeError::InUse {
             image: vol.to_string(),
             watchers: n,
+        });
+    }
+    // A peer whose daemon has not started replaying this primary (right
+    // after a promotion it still reports "remote image is not primary")
+    // would never copy it once it is demoted too: both copies demoted, its
+    // daemon stops, and a failback to it would lose this site's writes
+    // since the promotion (mirror_dr caught it). A peer that is down is not
+    // waited for.
+    if let Some(p) = st
+        .peers
+        .iter()
+        .find(|p| p.up && p.state != MirrorStatusState::Replaying)
+    {
+        return Err(VolumeError::Refused {
+            why: format!(
+                "image {vol} is not demoted yet: peer {} is {} ({}), and would not copy this site's last writes once both copies are demoted; retrying until it replays",
+                short(&p.mirror_uuid),
+                p.summary(),
+                p.description
+            ),
         });
     }
     drop(ro);

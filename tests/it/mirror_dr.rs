@@ -453,6 +453,36 @@ fn first_difference(a: &Cluster, b: &Cluster, image: &str) -> Option<String> {
     None
 }
 
+/// Each copy's mirror snapshots (id, state, complete, the primary's snap
+/// id) and its global mirror status, for a failure message.
+fn mirror_state(a: &Cluster, b: &Cluster, image: &str) -> String {
+    let mut out = String::new();
+    for (site, c) in [("A", a), ("B", b)] {
+        let img = Image::open_read_only(&c.ioctx(POOL).unwrap(), image).unwrap();
+        let snaps: Vec<String> = img
+            .snap_list()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|s| match img.snap_mirror_namespace(s.id) {
+                Ok(m) => format!(
+                    "{}:{:?}{}<-{}",
+                    s.id,
+                    m.state,
+                    if m.complete { "" } else { "(incomplete)" },
+                    m.primary_snap_id
+                ),
+                Err(_) => format!("{}:{}", s.id, s.name),
+            })
+            .collect();
+        out.push_str(&format!(
+            "\n{site}: snapshots [{}]; status {:?}",
+            snaps.join(", "),
+            img.mirror_global_status()
+        ));
+    }
+    out
+}
+
 /// Both copies (demoted, so quiescent) become the same byte for byte
 /// within [`WAIT`]. The daemons can still be applying the last demotion's
 /// data when both already report idle: the wait is logged, and A's reads
@@ -462,7 +492,9 @@ async fn same_bytes(a: &Cluster, b: &Cluster, image: &str) {
     loop {
         match first_difference(a, b, image) {
             None => break,
-            Some(d) if t0.elapsed() > WAIT => panic!("{d} after {WAIT:?}"),
+            Some(d) if t0.elapsed() > WAIT => {
+                panic!("{d} after {WAIT:?}; {}", mirror_state(a, b, image))
+            }
             Some(d) => eprintln!("mirror_dr: {d}; waiting for the daemons"),
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
