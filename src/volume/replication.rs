@@ -165,6 +165,23 @@ pub struct ReplicationStatus {
 const PRIMARY_DESCRIPTION: &str = "local image is primary";
 
 impl ReplicationStatus {
+    /// A peer site whose daemon is up and does not replay this copy, as
+    /// `peer <uuid> is <state> (<description>)`; a peer that is down is
+    /// not counted.
+    pub fn peer_not_replaying(&self) -> Option<String> {
+        self.peers
+            .iter()
+            .find(|p| p.up && p.state != MirrorStatusState::Replaying)
+            .map(|p| {
+                format!(
+                    "peer {} is {} ({})",
+                    short(&p.mirror_uuid),
+                    p.summary(),
+                    p.description
+                )
+            })
+    }
+
     /// A peer site whose daemon is up holds its copy as primary.
     pub fn primary_elsewhere(&self) -> bool {
         self.peers
@@ -533,17 +550,10 @@ pub fn demote(
     // daemon stops, and a failback to it would lose this site's writes
     // since the promotion (mirror_dr caught it). A peer that is down is not
     // waited for.
-    if let Some(p) = st
-        .peers
-        .iter()
-        .find(|p| p.up && p.state != MirrorStatusState::Replaying)
-    {
+    if let Some(p) = st.peer_not_replaying() {
         return Err(VolumeError::Refused {
             why: format!(
-                "image {vol} is not demoted yet: peer {} is {} ({}), and would not copy this site's last writes once both copies are demoted; retrying until it replays",
-                short(&p.mirror_uuid),
-                p.summary(),
-                p.description
+                "image {vol} is not demoted yet: {p}, and would not copy this site's last writes once both copies are demoted; retrying until it replays"
             ),
         });
     }
@@ -614,17 +624,10 @@ pub fn disable(
         // still holds its own demotion) would keep its copy: its daemon
         // deletes only a copy linked to this primary. A peer that is down
         // is not waited for.
-        if let Some(p) = st
-            .peers
-            .iter()
-            .find(|p| p.up && p.state != MirrorStatusState::Replaying)
-        {
+        if let Some(p) = st.peer_not_replaying() {
             return Err(VolumeError::Refused {
                 why: format!(
-                    "mirroring of image {vol} is not disabled yet: peer {} is {} ({}), and would keep its copy; retrying until it replays",
-                    short(&p.mirror_uuid),
-                    p.summary(),
-                    p.description
+                    "mirroring of image {vol} is not disabled yet: {p}, and would keep its copy; retrying until it replays"
                 ),
             });
         }
