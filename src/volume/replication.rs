@@ -545,8 +545,8 @@ pub fn demote(
         });
     }
     // A peer whose daemon has not started replaying this primary (right
-    // after a promotion it still reports "remote image is not primary")
-    // would never copy it once it is demoted too: both copies demoted, its
+    // after a promotion it still reports its old state, e.g. `up+stopped,
+    // local image is primary`) would never copy it once it is demoted too: both copies demoted, its
     // daemon stops, and a failback to it would lose this site's writes
     // since the promotion (mirror_dr caught it). A peer that is down is not
     // waited for.
@@ -723,6 +723,36 @@ mod tests {
             last_update: None,
             up,
         }
+    }
+
+    #[test]
+    fn a_peer_that_does_not_replay_yet_is_named() {
+        use MirrorStatusState::*;
+        let mut st = ReplicationStatus {
+            volume: "c:rbd/img".into(),
+            enabled: true,
+            disabling: false,
+            primary: true,
+            local: Some(site("", true, Stopped, "local image is primary")),
+            // Right after this site's promotion: the peer's entry is still
+            // the one it wrote while its own copy was primary.
+            peers: vec![site("abcdef0123", true, Stopped, "local image is primary")],
+            newest_snapshot: None,
+        };
+        let p = st.peer_not_replaying().expect("a stale peer");
+        assert!(
+            p.contains("up+stopped") && p.contains("local image is primary"),
+            "{p}"
+        );
+        st.peers[0].state = Replaying;
+        assert_eq!(st.peer_not_replaying(), None);
+        st.peers[0].state = Unknown;
+        st.peers[0].up = false;
+        assert_eq!(
+            st.peer_not_replaying(),
+            None,
+            "a peer that is down is not waited for"
+        );
     }
 
     #[test]
