@@ -725,20 +725,29 @@ mod tests {
         }
     }
 
-    #[test]
-    fn a_peer_that_does_not_replay_yet_is_named() {
-        use MirrorStatusState::*;
-        let mut st = ReplicationStatus {
+    /// An enabled image's status with these entries and no mirror snapshot.
+    fn status(primary: bool, local: MirrorSiteStatus, peer: MirrorSiteStatus) -> ReplicationStatus {
+        ReplicationStatus {
             volume: "c:rbd/img".into(),
             enabled: true,
             disabling: false,
-            primary: true,
-            local: Some(site("", true, Stopped, "local image is primary")),
+            primary,
+            local: Some(local),
+            peers: vec![peer],
+            newest_snapshot: None,
+        }
+    }
+
+    #[test]
+    fn a_peer_that_does_not_replay_yet_is_named() {
+        use MirrorStatusState::*;
+        let mut st = status(
+            true,
+            site("", true, Stopped, "local image is primary"),
             // Right after this site's promotion: the peer's entry is still
             // the one it wrote while its own copy was primary.
-            peers: vec![site("abcdef0123", true, Stopped, "local image is primary")],
-            newest_snapshot: None,
-        };
+            site("abcdef0123", true, Stopped, "local image is primary"),
+        );
         let p = st.peer_not_replaying().expect("a stale peer");
         assert!(
             p.contains("up+stopped") && p.contains("local image is primary"),
@@ -758,15 +767,11 @@ mod tests {
     #[test]
     fn status_reads_like_the_daemons_write_it() {
         use MirrorStatusState::*;
-        let mut st = ReplicationStatus {
-            volume: "c:rbd/img".into(),
-            enabled: true,
-            disabling: false,
-            primary: false,
-            local: Some(site("", true, Replaying, "replaying, {}")),
-            peers: vec![site("1234567890", true, Stopped, "local image is primary")],
-            newest_snapshot: None,
-        };
+        let mut st = status(
+            false,
+            site("", true, Replaying, "replaying, {}"),
+            site("1234567890", true, Stopped, "local image is primary"),
+        );
         assert!(st.primary_elsewhere());
         assert!(!st.peers_down());
         assert!(!st.secondary_ready());
