@@ -123,7 +123,8 @@ pub(crate) fn run_with_input(
     })
 }
 
-/// Turns a non-zero exit into an error carrying the child's stderr.
+/// Turns a non-zero exit into an error carrying the child's stderr (and
+/// stdout, when it printed any).
 pub(crate) fn check(op: &'static str, object: &str, out: Output) -> Result<Output> {
     if out.status.success() {
         return Ok(out);
@@ -137,10 +138,14 @@ pub(crate) fn failure(op: &'static str, object: &str, out: &Output) -> Error {
         Some(c) => format!("exit code {c}"),
         None => "killed by a signal".to_owned(),
     };
-    let mut text = out.stderr.trim().to_owned();
-    if text.is_empty() {
-        text = out.stdout.trim().to_owned();
-    }
+    // Both streams: e2fsck, for one, prints why on stdout ("/dev/loop0 is
+    // in use.") and only "Cannot continue, aborting." on stderr.
+    let (err, so) = (out.stderr.trim(), out.stdout.trim());
+    let mut text = match (so.is_empty(), err.is_empty()) {
+        (true, _) => err.to_owned(),
+        (false, true) => so.to_owned(),
+        (false, false) => format!("{err} (stdout: {so})"),
+    };
     if text.len() > MAX_STDERR {
         let mut cut = MAX_STDERR;
         while !text.is_char_boundary(cut) {
@@ -196,7 +201,21 @@ mod tests {
         assert_eq!(out.code(), Some(3));
         assert_eq!(out.stdout, "out\n");
         let e = check("sh", "x", out).unwrap_err();
-        assert_eq!(e.to_string(), "sh on x failed: exit code 3: err (EIO)");
+        // Both streams: e2fsck says why on stdout only.
+        assert_eq!(
+            e.to_string(),
+            "sh on x failed: exit code 3: err (stdout: out) (EIO)"
+        );
+        let out = run(
+            "sh",
+            "sh",
+            &["-c", "echo in use; exit 8"],
+            "x",
+            Duration::from_secs(10),
+        )
+        .unwrap();
+        let e = check("sh", "x", out).unwrap_err();
+        assert_eq!(e.to_string(), "sh on x failed: exit code 8: in use (EIO)");
     }
 
     #[test]

@@ -23,6 +23,9 @@ pub const PROBE_TIMEOUT: Duration = Duration::from_secs(60);
 pub const MKFS_TIMEOUT: Duration = Duration::from_secs(600);
 /// Bound on `resize2fs` / `xfs_growfs`.
 pub const GROW_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long an offline grow waits for a device that is not mounted here to
+/// be let go (see `wait_unheld`).
+pub const HELD_WAIT: Duration = Duration::from_secs(15);
 /// Bound on one `fstrim` of a staged filesystem.
 pub const TRIM_TIMEOUT: Duration = Duration::from_secs(600);
 
@@ -499,6 +502,7 @@ pub fn grow(device: &Path, mount_point: &Path, fstype: &str) -> Result<()> {
     match fstype {
         "ext4" | "ext3" | "ext2" => {
             if super::mount::mounts_of_device(device)?.is_empty() {
+                wait_unheld(device, "e2fsck")?;
                 // Offline, resize2fs insists on a freshly checked filesystem.
                 // -p fixes only what is safe to fix unattended.
                 let out =
@@ -535,6 +539,28 @@ pub fn grow(device: &Path, mount_point: &Path, fstype: &str) -> Result<()> {
             ),
         )),
     }
+}
+
+/// Waits, at most [`HELD_WAIT`], until nothing holds `device` exclusively,
+/// as `e2fsck` and an offline `resize2fs` need. Just after an unmount a
+/// mount namespace made a moment before (a container starting) can still
+/// hold a copy of the filesystem until it drops it. Past the wait, the
+/// error names the processes whose namespaces still mount it.
+fn wait_unheld(device: &Path, op: &'static str) -> Result<()> {
+    if !super::loopdev::in_use_for(device, HELD_WAIT) {
+        return Ok(());
+    }
+    let dev = device.display().to_string();
+    let who = match super::mount::other_namespaces_mounting(device) {
+        Ok(w) if !w.is_empty() => format!(
+            "; still mounted in the mount namespace of {}",
+            w.into_iter().take(4).collect::<Vec<_>>().join(", ")
+        ),
+        _ => String::new(),
+    };
+    Err(Error::from_errno(libc::EBUSY, op, dev).detail(format!(
+        "not mounted here, yet the device is still held exclusively after {HELD_WAIT:?}{who}"
+    )))
 }
 
 /// Discards the free space of the filesystem mounted at `mount_point`

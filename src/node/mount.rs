@@ -228,6 +228,45 @@ pub fn mounts_of_device(device: &Path) -> Result<Vec<MountInfo>> {
         .collect())
 }
 
+/// Processes in other mount namespaces that still have block device
+/// `device` mounted, one `pid (comm)` per namespace, for messages. Such a
+/// copy keeps the filesystem, and so the device, held after this
+/// namespace unmounted it: a namespace made while it was mounted (a
+/// container starting, a build's sandbox) copied the mount.
+pub fn other_namespaces_mounting(device: &Path) -> Result<Vec<String>> {
+    let rdev = block_rdev(device)?;
+    let ours = std::fs::read_link("/proc/self/ns/mnt").ok();
+    let mut seen = std::collections::BTreeSet::new();
+    let mut out = Vec::new();
+    let procs = std::fs::read_dir("/proc").map_err(|e| io_error(e, "read_dir", "/proc"))?;
+    for entry in procs.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            continue;
+        };
+        let base = entry.path();
+        // A process can exit between the listing and the reads: skip it.
+        let Ok(ns) = std::fs::read_link(base.join("ns/mnt")) else {
+            continue;
+        };
+        if Some(&ns) == ours.as_ref() || !seen.insert(ns) {
+            continue;
+        }
+        let Ok(text) = std::fs::read(base.join("mountinfo")) else {
+            continue;
+        };
+        let mounts = parse_mountinfo(text).unwrap_or_default();
+        if mounts.iter().any(|m| m.dev() == rdev) {
+            let comm = std::fs::read_to_string(base.join("comm")).unwrap_or_default();
+            out.push(format!("{pid} ({})", comm.trim()));
+        }
+    }
+    Ok(out)
+}
+
 /// `st_rdev` of a block device, or an error that says it is not one.
 fn block_rdev(device: &Path) -> Result<u64> {
     let obj = device.display().to_string();

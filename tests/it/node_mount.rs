@@ -457,3 +457,115 @@ fn a_stale_fuse_mount_is_found_and_unmounted() {
     assert!(!mount::is_mount_point(&target).unwrap());
     assert!(std::fs::metadata(&target).unwrap().is_dir());
 }
+
+/// A copy of a mount in a mount namespace of its own, as a container that
+/// starts while a volume is staged makes: `unshare` then `sleep`, after
+/// lazily dropping the copies of every other loop-device and FUSE mount
+/// (other tests' devices must not be held by it). Killed on drop.
+struct NamespaceCopy(std::process::Child);
+
+impl NamespaceCopy {
+    fn start(keep: &Path) -> NamespaceCopy {
+        let script = r#"awk -v keep="$1" '($1 ~ /^\/dev\/loop/ || $3 == "fuse" || $3 ~ /^fuse\./) && $2 != keep { print $2 }' /proc/self/mounts |
+            sort -r | while IFS= read -r m; do umount -l "$m" 2>/dev/null || :; done
+            exec sleep 300"#;
+        let child = Command::new("unshare")
+            .args([
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                script,
+                "sh",
+            ])
+            .arg(keep)
+            .spawn()
+            .unwrap();
+        // unshare and sh exec in place: the pid is sleep's once comm says so.
+        let comm = format!("/proc/{}/comm", child.id());
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while std::fs::read_to_string(&comm).unwrap_or_default().trim() != "sleep" {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "unshare did not start"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        NamespaceCopy(child)
+    }
+
+    fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for NamespaceCopy {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The block count in an ext4 superblock (`dumpe2fs -h`, which needs no
+/// exclusive open).
+fn ext4_block_count(dev: &Path) -> u64 {
+    let out = Command::new("timeout")
+        .args(["30", "dumpe2fs", "-h"])
+        .arg(dev)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.strip_prefix("Block count:"))
+        .unwrap_or_else(|| panic!("no block count in {text}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// After the unmount here, a mount namespace made while the volume was
+/// mounted still holds its filesystem, and so the device. An offline grow
+/// (e2fsck, resize2fs: both need the device to themselves) waits for that
+/// copy to go; when it stays, the grow fails naming who holds it and
+/// changes nothing.
+#[test]
+fn an_offline_grow_waits_for_a_namespace_that_still_mounts_the_device() {
+    let mut fx = Fixture::new();
+    let (file, dev) = fx.loop_device("held.img", 256 * MIB);
+    let stage = fx.mount_point("stage");
+    std::fs::create_dir(&stage).unwrap();
+    assert!(fs::make_fs(&dev, "ext4", &[] as &[&str]).unwrap());
+    mount::ensure_mounted(&dev, &stage, "ext4", &[] as &[&str]).unwrap();
+    let blocks = ext4_block_count(&dev);
+
+    // A copy that stays: the grow gives up after its wait, and says why.
+    let holder = NamespaceCopy::start(&stage);
+    mount::ensure_unmounted(&stage).unwrap();
+    assert!(mount::mounts_of_device(&dev).unwrap().is_empty());
+    grow_loop(&file, &dev, 512 * MIB);
+    let t = std::time::Instant::now();
+    let e = fs::grow(&dev, &stage, "ext4").unwrap_err();
+    assert!(t.elapsed() >= fs::HELD_WAIT, "{:?}", t.elapsed());
+    assert_eq!(e.kind(), rbdkit::ErrorKind::Busy, "{e}");
+    let who = format!("{} (sleep)", holder.pid());
+    assert!(e.to_string().contains(&who), "{e}");
+    assert!(e.to_string().contains(&dev.display().to_string()), "{e}");
+    assert_eq!(ext4_block_count(&dev), blocks, "nothing may change");
+    drop(holder);
+
+    // A copy that goes during the wait: the grow goes on once it has.
+    mount::ensure_mounted(&dev, &stage, "ext4", &[] as &[&str]).unwrap();
+    let holder = NamespaceCopy::start(&stage);
+    mount::ensure_unmounted(&stage).unwrap();
+    assert!(rbdkit::node::loopdev::in_use(&dev), "the copy must hold it");
+    let stop = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_secs(1));
+        drop(holder);
+    });
+    let t = std::time::Instant::now();
+    fs::grow(&dev, &stage, "ext4").unwrap();
+    assert!(t.elapsed() >= std::time::Duration::from_secs(1));
+    stop.join().unwrap();
+    assert_eq!(ext4_block_count(&dev), 2 * blocks);
+}
