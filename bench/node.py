@@ -28,16 +28,25 @@ GiB = 1 << 30
 # The baseline first: ratios are over it.
 BASE = "rbd-bench-wt"
 CONTENDERS = [BASE, "rbd-bench", "mapper-block", "mapper-fs", "mapper-pod", "rbd-fuse",
-              "mapper-enc", "librbd", "librbd-enc", "mapper-cacher"]
+              "mapper-enc", "librbd", "librbd-enc", "mapper-cacher", "mapper-zerocopy",
+              "mapper-inline"]
 NAMES = {BASE: "rbd bench, cache off", "rbd-bench": "rbd bench, cache on",
          "mapper-block": "mapper, block",
          "mapper-fs": "mapper, ext4 file", "mapper-pod": "mapper, ext4 as a pod gets it",
          "rbd-fuse": "rbd-fuse + loop", "mapper-enc": "mapper, block, LUKS2",
          "librbd": "librbd (rbdkit-bench)", "librbd-enc": "librbd LUKS2 (rbdkit-bench)",
-         "mapper-cacher": "mapper, block, rbd_cache=true"}
-# The map options of "mapper-cacher": librbd's ObjectCacher, write-through,
-# the mapper's default before issue 39 turned the cache off.
-CACHER_OPTIONS = ["rbd_cache=true"]
+         "mapper-cacher": "mapper, block, rbd_cache=true",
+         "mapper-zerocopy": "mapper, block, zero-copy writes",
+         "mapper-inline": "mapper, block, rbd_non_blocking_aio=false"}
+# Contenders that are *mapper, block* with map options: librbd's
+# ObjectCacher, write-through (the default before issue 39 turned the cache
+# off); librbd sending the mapper's buffer without a copy; librbd
+# submitting on the FUSE thread instead of handing each request to its own.
+OPTION_CONTENDERS = {
+    "mapper-cacher": ["rbd_cache=true"],
+    "mapper-zerocopy": ["rbd_disable_zero_copy_writes=false"],
+    "mapper-inline": ["rbd_non_blocking_aio=false"],
+}
 # The LUKS2 passphrase of the encrypted image (a bench, not a secret).
 ENC_PASSPHRASE = "bench-passphrase-of-the-encrypted-image"
 # What LUKS2 takes of an image (its header; src/volume/luks.rs DATA_OFFSET).
@@ -672,21 +681,38 @@ class Node:
             return out
         if who in ("librbd", "librbd-enc"):
             return self.librbd(wl, who == "librbd-enc")
+        if who in OPTION_CONTENDERS:
+            return self.mapper_block(wl, OPTION_CONTENDERS[who])
         return {"mapper-block": self.mapper_block, "mapper-fs": self.mapper_fs,
                 "mapper-pod": self.mapper_pod, "rbd-fuse": self.rbd_fuse,
-                "mapper-enc": self.mapper_enc,
-                "mapper-cacher": lambda w: self.mapper_block(w, CACHER_OPTIONS)}[who](wl)
+                "mapper-enc": self.mapper_enc}[who](wl)
+
+
+def selected_contenders():
+    """CONTENDERS, or the baseline and those RBDKIT_BENCH_NODE_CONTENDERS
+    names (comma-separated): a development run of a few."""
+    want = [w.strip() for w in os.environ.get("RBDKIT_BENCH_NODE_CONTENDERS", "").split(",")
+            if w.strip()]
+    if not want:
+        return CONTENDERS
+    bad = [w for w in want if w not in CONTENDERS]
+    if bad:
+        raise NodeError(f"RBDKIT_BENCH_NODE_CONTENDERS: unknown {', '.join(bad)}; "
+                        f"known: {', '.join(CONTENDERS)}")
+    return [w for w in CONTENDERS if w == BASE or w in want]
 
 
 def section_node(c, cfg, errors, tag, rbdkit_bin, rotate, settle):
     node = Node(c, cfg, rbdkit_bin, tag)
     rounds = []
+    contenders = CONTENDERS
     try:
+        contenders = selected_contenders()
         node.setup()
         for r in range(cfg["node_rounds"]):
             res = {}
             for wl in cfg["node_workloads"]:
-                for w in rotate(CONTENDERS, r):
+                for w in rotate(contenders, r):
                     key = f"{w}|{wl_key(wl)}"
                     log(f"node round {r + 1}/{cfg['node_rounds']}: {wl_key(wl)}: {w}")
                     settle()
@@ -700,7 +726,7 @@ def section_node(c, cfg, errors, tag, rbdkit_bin, rotate, settle):
         errors.append(f"node/setup: {e}")
     finally:
         node.teardown()
-    return {"contenders": CONTENDERS, "workloads": [wl_key(w) for w in cfg["node_workloads"]],
+    return {"contenders": contenders, "workloads": [wl_key(w) for w in cfg["node_workloads"]],
             "image_bytes": node.size, "fs_file_bytes": node.fs_file_bytes, "rounds": rounds,
             "rss": node.rss}
 
@@ -744,6 +770,8 @@ def summarize(node, spread, med, target):
         ratios[f"mapper-fs / rbd-fuse|{wk}"] = ratio("mapper-fs", "rbd-fuse")
         ratios[f"mapper-cacher / {BASE}|{wk}"] = ratio("mapper-cacher", BASE)
         ratios[f"mapper-block / mapper-cacher|{wk}"] = ratio("mapper-block", "mapper-cacher")
+        for w in ("mapper-zerocopy", "mapper-inline"):
+            ratios[f"{w} / mapper-block|{wk}"] = ratio(w, "mapper-block")
         ratios[f"mapper-enc / mapper-block|{wk}"] = ratio("mapper-enc", "mapper-block")
         ratios[f"librbd-enc / librbd|{wk}"] = ratio("librbd-enc", "librbd")
         ratios[f"mapper-enc / librbd-enc|{wk}"] = ratio("mapper-enc", "librbd-enc")
@@ -828,6 +856,20 @@ def render(results, summary, cfg, fmt_ratio, fmt_num):
         L.append(f"| {wk} | {fmt_ratio(r.get(f'mapper-block / {BASE}|{wk}'))} | "
                  f"{fmt_ratio(r.get(f'mapper-cacher / {BASE}|{wk}'))} | "
                  f"{fmt_ratio(r.get(f'mapper-block / mapper-cacher|{wk}'))} |")
+    L.append("")
+    L.append("How requests reach librbd (issue 39): *mapper, block* with the map option "
+             "`rbd_disable_zero_copy_writes=false` (librbd sends the mapper's buffer, which the "
+             "request owns until it completes, instead of copying it) and with "
+             "`rbd_non_blocking_aio=false` (librbd submits on the FUSE thread instead of "
+             "handing each request to its own thread). Ratios over *mapper, block* per round, "
+             "median (min–max):")
+    L.append("")
+    L.append("| workload | zero-copy writes / mapper, block | "
+             "rbd_non_blocking_aio=false / mapper, block |")
+    L.append("|---|---|---|")
+    for wk in node["workloads"]:
+        L.append(f"| {wk} | {fmt_ratio(r.get(f'mapper-zerocopy / mapper-block|{wk}'))} | "
+                 f"{fmt_ratio(r.get(f'mapper-inline / mapper-block|{wk}'))} |")
     L.append("")
     L.append("Absolute medians of this run (IOPS, MiB/s, fio's mean completion latency):")
     L.append("")

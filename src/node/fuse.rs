@@ -94,8 +94,13 @@
 //!   the worker restarts, while the filesystem above sees no error),
 //!   `rbd_cache_size`, `rbd_cache_max_dirty`, `rbd_readahead_max_bytes`,
 //!   `rbd_readahead_disable_after_bytes` (bytes) and
-//!   `rbd_readahead_trigger_requests`. These change only caching and
-//!   prefetching, never where or how data is stored. An image with
+//!   `rbd_readahead_trigger_requests`; `rbd_disable_zero_copy_writes`
+//!   (`false`: librbd sends the mapper's buffer, which the request owns
+//!   until it completes, without copying it; refused with the cache on,
+//!   which would keep the buffer and never answer the write) and
+//!   `rbd_non_blocking_aio` (`false`: librbd submits on the FUSE thread,
+//!   not on its own). These change only caching, prefetching and how
+//!   requests reach librbd, never where or how data is stored. An image with
 //!   settings gets its own librados connection (images with equal settings
 //!   share one).
 //!
@@ -216,8 +221,15 @@ pub struct AttachSpec {
 }
 
 /// librbd settings a `mapOptions` entry may override, and what values each
-/// takes: only caching and prefetching, nothing that changes the data.
+/// takes: only caching, prefetching and how requests are handed to librbd,
+/// nothing that changes the data.
 const LIBRBD_OPTIONS: &[(&str, ValueKind)] = &[
+    // false: librbd sends the mapper's buffer without copying it (the
+    // mapper keeps it until the request completes). Refused with
+    // `rbd_cache=true`, which would keep the buffer and never answer.
+    ("rbd_disable_zero_copy_writes", ValueKind::Bool),
+    // false: librbd submits on the calling FUSE thread, not its own.
+    ("rbd_non_blocking_aio", ValueKind::Bool),
     ("rbd_cache", ValueKind::Bool),
     ("rbd_cache_writethrough_until_flush", ValueKind::Bool),
     (
@@ -399,7 +411,22 @@ impl FuseMapOptions {
                 }
             }
         }
+        if out.librbd_is("rbd_disable_zero_copy_writes", "false")
+            && out.librbd_is("rbd_cache", "true")
+        {
+            return Err(bad(
+                "rbd_disable_zero_copy_writes=false",
+                "refused with rbd_cache=true: librbd's cache would keep the mapper's \
+                 buffer and never answer the write"
+                    .into(),
+            ));
+        }
         Ok(out)
+    }
+
+    /// Whether librbd setting `name` is given as `value`.
+    fn librbd_is(&self, name: &str, value: &str) -> bool {
+        self.librbd.iter().any(|(n, v)| n == name && v == value)
     }
 }
 

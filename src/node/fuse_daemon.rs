@@ -2151,11 +2151,26 @@ fn addr_nonce(addr: &str) -> Option<&str> {
 /// write would be lost with the dead worker while the next `fsync` (served
 /// by the new worker, with nothing to flush) succeeds. The connection sets
 /// `writethrough`; this catches a pool or image override (`rbd config pool
-/// set`) that would win over it.
+/// set`) that would win over it. Also refuses zero-copy writes with the
+/// cache on: the cache keeps the buffer and never answers the write.
 fn require_write_through(image: &Image, volume: &str) -> Result<()> {
     let config = image.config_list()?;
     let value = |name: &str| config.iter().find(|o| o.name == name);
     let cache_on = value("rbd_cache").is_none_or(|o| o.value == "true");
+    let zero_copy = value("rbd_disable_zero_copy_writes").filter(|z| z.value == "false");
+    if let (Some(z), true) = (zero_copy, cache_on) {
+        let cache = value("rbd_cache").map_or("default".to_owned(), |c| format!("{:?}", c.source));
+        return Err(Error::invalid(
+            "attach",
+            volume,
+            format!(
+                "zero-copy writes (rbd_disable_zero_copy_writes=false, a {:?}-level setting) \
+                 with librbd's cache on (rbd_cache, a {cache}-level setting): the cache would \
+                 keep the mapper's buffer and never answer the write; turn one of them off",
+                z.source
+            ),
+        ));
+    }
     match value("rbd_cache_policy") {
         Some(p) if cache_on && p.value != "writethrough" => Err(Error::invalid(
             "attach",

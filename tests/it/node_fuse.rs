@@ -938,6 +938,8 @@ fn map_options_set_up_the_device_and_librbd() {
         "block_size=4096",
         "rbd_cache=false",
         "rbd_readahead_max_bytes=0",
+        "rbd_disable_zero_copy_writes=false",
+        "rbd_non_blocking_aio=false",
     ]
     .map(String::from)
     .to_vec();
@@ -951,10 +953,24 @@ fn map_options_set_up_the_device_and_librbd() {
         st.librbd,
         vec![
             ("rbd_cache".to_string(), "false".to_string()),
-            ("rbd_readahead_max_bytes".to_string(), "0".to_string())
+            ("rbd_readahead_max_bytes".to_string(), "0".to_string()),
+            (
+                "rbd_disable_zero_copy_writes".to_string(),
+                "false".to_string()
+            ),
+            ("rbd_non_blocking_aio".to_string(), "false".to_string()),
         ],
         "{st:?}"
     );
+    // Zero-copy and inline submission: a write still lands whole.
+    let pattern: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
+    write_direct(&dev, 8192, &pattern);
+    {
+        let img = Image::open_read_only(&ns.ioctx, "img").unwrap();
+        let mut back = vec![0u8; 8192];
+        img.read(8192, &mut back).unwrap();
+        assert_eq!(back, pattern);
+    }
     // Without options: an eighth of the connection's budget as the queue depth,
     // no librbd settings of its own (the daemon's: the cache off), and
     // 512-byte sectors as krbd's, still with direct I/O on the file.
@@ -1024,14 +1040,21 @@ fn bad_map_options_are_refused_naming_the_option() {
         // A write answered from the cache would die with the worker.
         ("rbd_cache_policy=writeback", "only writethrough"),
         ("rbd_cache_policy=writearound", "only writethrough"),
+        // The cache would keep a zero-copy write's buffer, unanswered.
+        (
+            "rbd_cache=true rbd_disable_zero_copy_writes=false",
+            "refused with rbd_cache=true",
+        ),
         ("rbd_cache", "needs a value"),
         ("read_only=yes", "takes no value"),
         // A librados setting that is not a cache knob is not let through.
         ("mon_host=10.0.0.1", "unknown option"),
     ];
-    for (opt, why) in cases {
+    for (given, why) in cases {
+        // Several options are separated by spaces; the last is the one named.
+        let opt = given.rsplit(' ').next().unwrap();
         let mut s = spec(&ns, "vol-bad", "img");
-        s.options = vec![(*opt).into()];
+        s.options = given.split(' ').map(Into::into).collect();
         // The mapper refuses it before asking the daemon...
         let e = d.mapper().map(&s).unwrap_err();
         assert_eq!(e.kind(), rbdkit::ErrorKind::InvalidArgument, "{opt}: {e}");
@@ -1094,7 +1117,21 @@ fn a_write_back_cache_override_is_refused() {
     img.metadata_remove("conf_rbd_cache_policy").unwrap();
     d.mapper().map(&spec(&ns, "vol-wb", "img")).unwrap();
     d.mapper().unmap("vol-wb", &[]).unwrap();
+    // Zero-copy writes with the override's (write-through) cache: the
+    // cache would keep the buffer and never answer the write.
+    let mut zc = spec(&ns, "vol-wb", "img");
+    zc.options = vec!["rbd_disable_zero_copy_writes=false".into()];
+    let e = d.mapper().map(&zc).unwrap_err();
+    assert_eq!(e.kind(), rbdkit::ErrorKind::InvalidArgument, "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("zero-copy") && msg.contains("rbd_cache, a Image-level"),
+        "{msg}"
+    );
+    assert!(d.mapper().list().unwrap().is_empty());
     img.metadata_remove("conf_rbd_cache").unwrap();
+    d.mapper().map(&zc).unwrap();
+    d.mapper().unmap("vol-wb", &[]).unwrap();
 }
 
 #[test]
