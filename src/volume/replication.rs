@@ -159,6 +159,11 @@ pub struct ReplicationStatus {
     pub peers: Vec<MirrorSiteStatus>,
     /// The newest mirror snapshot of this site's copy.
     pub newest_snapshot: Option<MirrorSnapNamespace>,
+    /// When this copy was promoted after a peer's orderly demotion: the
+    /// time of its first primary mirror snapshot after the copy of that
+    /// demotion. `None` when its newest non-primary mirror snapshot is not
+    /// a demotion (it never took over from a peer, or did so by force).
+    pub promoted_after_handover: Option<SystemTime>,
 }
 
 /// What a peer daemon writes for a primary copy.
@@ -171,6 +176,29 @@ impl ReplicationStatus {
     pub fn peer_not_replaying(&self) -> Option<String> {
         self.peers
             .iter()
+            .find(|p| p.up && p.state != MirrorStatusState::Replaying)
+            .map(|p| {
+                format!(
+                    "peer {} is {} ({})",
+                    short(&p.mirror_uuid),
+                    p.summary(),
+                    p.description
+                )
+            })
+    }
+
+    /// A peer that has not caught up with this copy's promotion yet: this
+    /// copy took over from the peer's orderly demotion, and the peer's
+    /// daemon, up and not replaying, last reported before that promotion
+    /// (it still shows what it wrote while its own copy was primary). A
+    /// peer that reported since holds a primary copy of its own (a forced
+    /// promotion: a split brain), which it will never replay from this one,
+    /// so it is not waited for; neither is a peer that is down.
+    pub fn peer_behind_promotion(&self) -> Option<String> {
+        let promoted = self.promoted_after_handover?;
+        self.peers
+            .iter()
+            .filter(|p| p.last_update.is_none_or(|t| t < promoted))
             .find(|p| p.up && p.state != MirrorStatusState::Replaying)
             .map(|p| {
                 format!(
@@ -337,14 +365,19 @@ fn status_of(img: &Image, vol: &VolumeId) -> Result<ReplicationStatus, VolumeErr
     } else {
         (None, Vec::new())
     };
-    let mut newest_snapshot = None;
+    let mut mirror_snaps = Vec::new();
     if enabled {
         for snap in img.snap_list()? {
             if let Ok(ns) = img.snap_mirror_namespace(snap.id) {
-                newest_snapshot = Some((snap.id, ns));
+                mirror_snaps.push((snap.id, ns));
             }
         }
     }
+    mirror_snaps.sort_by_key(|(id, _)| *id);
+    let promoted_after_handover = match handover_promotion(&mirror_snaps) {
+        Some(id) => Some(img.snap_timestamp(id)?),
+        None => None,
+    };
     Ok(ReplicationStatus {
         volume: vol.to_string(),
         enabled,
@@ -352,11 +385,22 @@ fn status_of(img: &Image, vol: &VolumeId) -> Result<ReplicationStatus, VolumeErr
         primary: info.primary,
         local,
         peers,
-        newest_snapshot: newest_snapshot
-            .into_iter()
-            .max_by_key(|(id, _)| *id)
-            .map(|(_, ns)| ns),
+        newest_snapshot: mirror_snaps.pop().map(|(_, ns)| ns),
+        promoted_after_handover,
     })
+}
+
+/// The id of the mirror snapshot that promoted this copy after a peer's
+/// orderly demotion: the first primary one after the newest non-primary
+/// one, when that one is the copy of a demotion. `snaps` are by id.
+fn handover_promotion(snaps: &[(u64, MirrorSnapNamespace)]) -> Option<u64> {
+    let last_copy = snaps
+        .iter()
+        .rposition(|(_, ns)| ns.state != MirrorSnapState::Primary)?;
+    if snaps[last_copy].1.state != MirrorSnapState::NonPrimaryDemoted {
+        return None;
+    }
+    snaps.get(last_copy + 1).map(|(id, _)| *id)
 }
 
 /// Enables mirroring of `vol` in the class's mode. Refused by name when
@@ -544,16 +588,16 @@ pub fn demote(
             watchers: n,
         });
     }
-    // A peer whose daemon has not started replaying this primary (right
-    // after a promotion it still reports its old state, e.g. `up+stopped,
-    // local image is primary`) would never copy it once it is demoted too: both copies demoted, its
-    // daemon stops, and a failback to it would lose this site's writes
-    // since the promotion (mirror_dr caught it). A peer that is down is not
-    // waited for.
-    if let Some(p) = st.peer_not_replaying() {
+    // A peer whose daemon has not started replaying this primary since it
+    // handed over (it still reports its old state, e.g. `up+stopped, local
+    // image is primary`) would never copy it once it is demoted too: both
+    // copies demoted, its daemon stops, and a failback to it would lose
+    // this site's writes since the promotion (mirror_dr caught it). A peer
+    // that is primary itself (after a site loss) is not waited for.
+    if let Some(p) = st.peer_behind_promotion() {
         return Err(VolumeError::Refused {
             why: format!(
-                "image {vol} is not demoted yet: {p}, and would not copy this site's last writes once both copies are demoted; retrying until it replays"
+                "image {vol} is not demoted yet: {p}, last reported before this copy's promotion, and would not copy this site's last writes once both copies are demoted; retrying until it replays"
             ),
         });
     }
@@ -735,6 +779,7 @@ mod tests {
             local: Some(local),
             peers: vec![peer],
             newest_snapshot: None,
+            promoted_after_handover: None,
         }
     }
 
@@ -744,8 +789,6 @@ mod tests {
         let mut st = status(
             true,
             site("", true, Stopped, "local image is primary"),
-            // Right after this site's promotion: the peer's entry is still
-            // the one it wrote while its own copy was primary.
             site("abcdef0123", true, Stopped, "local image is primary"),
         );
         let p = st.peer_not_replaying().expect("a stale peer");
@@ -762,6 +805,69 @@ mod tests {
             None,
             "a peer that is down is not waited for"
         );
+    }
+
+    #[test]
+    fn only_a_peer_behind_a_handover_is_waited_for() {
+        use MirrorStatusState::*;
+        let t = |s: u64| SystemTime::UNIX_EPOCH + Duration::from_secs(s);
+        let mut peer = site("abcdef0123", true, Stopped, "local image is primary");
+        peer.last_update = Some(t(100));
+        let mut st = status(
+            true,
+            site("", true, Stopped, "local image is primary"),
+            peer,
+        );
+        // Never took over from a peer (or by force): a primary peer is a
+        // split brain, never waited for.
+        assert_eq!(st.peer_behind_promotion(), None);
+        // Promoted at 200 after the peer's demotion; the peer last wrote at
+        // 100, while its own copy was primary: stale, waited for.
+        st.promoted_after_handover = Some(t(200));
+        let p = st.peer_behind_promotion().expect("a stale peer");
+        assert!(p.contains("peer abcdef01 is up+stopped"), "{p}");
+        // It wrote since: its copy is primary again (forced), not stale.
+        st.peers[0].last_update = Some(t(300));
+        assert_eq!(st.peer_behind_promotion(), None);
+        st.peers[0].last_update = Some(t(100));
+        st.peers[0].up = false;
+        assert_eq!(st.peer_behind_promotion(), None, "down: not waited for");
+        st.peers[0].up = true;
+        st.peers[0].state = Replaying;
+        assert_eq!(st.peer_behind_promotion(), None);
+    }
+
+    #[test]
+    fn the_promotion_after_a_handover_is_found() {
+        use MirrorSnapState::*;
+        let ns = |state| MirrorSnapNamespace {
+            state,
+            mirror_peer_uuids: Vec::new(),
+            complete: true,
+            primary_mirror_uuid: String::new(),
+            primary_snap_id: 0,
+            last_copied_object_number: 0,
+        };
+        let snaps = |states: &[MirrorSnapState]| -> Vec<(u64, MirrorSnapNamespace)> {
+            states
+                .iter()
+                .enumerate()
+                .map(|(i, s)| (10 + i as u64, ns(*s)))
+                .collect()
+        };
+        // B after a planned failover: A's demotion copied, then promoted.
+        let b = snaps(&[NonPrimary, NonPrimaryDemoted, Primary, Primary]);
+        assert_eq!(handover_promotion(&b), Some(12));
+        // Always primary, or promoted by force over plain copies.
+        assert_eq!(handover_promotion(&snaps(&[Primary, Primary])), None);
+        assert_eq!(handover_promotion(&snaps(&[NonPrimary, Primary])), None);
+        // Demoted itself since, or not promoted yet.
+        assert_eq!(
+            handover_promotion(&snaps(&[NonPrimaryDemoted, Primary, PrimaryDemoted])),
+            None
+        );
+        assert_eq!(handover_promotion(&snaps(&[NonPrimaryDemoted])), None);
+        assert_eq!(handover_promotion(&[]), None);
     }
 
     #[test]
