@@ -188,16 +188,14 @@ fn kill_group(pid: u32) {
 mod tests {
     use super::*;
 
+    /// `sh -c script`, bounded.
+    fn sh(script: &str) -> Output {
+        run("sh", "sh", &["-c", script], "x", Duration::from_secs(10)).unwrap()
+    }
+
     #[test]
     fn captures_output_and_exit_code() {
-        let out = run(
-            "sh",
-            "sh",
-            &["-c", "echo out; echo err >&2; exit 3"],
-            "x",
-            Duration::from_secs(10),
-        )
-        .unwrap();
+        let out = sh("echo out; echo err >&2; exit 3");
         assert_eq!(out.code(), Some(3));
         assert_eq!(out.stdout, "out\n");
         let e = check("sh", "x", out).unwrap_err();
@@ -206,15 +204,7 @@ mod tests {
             e.to_string(),
             "sh on x failed: exit code 3: err (stdout: out) (EIO)"
         );
-        let out = run(
-            "sh",
-            "sh",
-            &["-c", "echo in use; exit 8"],
-            "x",
-            Duration::from_secs(10),
-        )
-        .unwrap();
-        let e = check("sh", "x", out).unwrap_err();
+        let e = check("sh", "x", sh("echo in use; exit 8")).unwrap_err();
         assert_eq!(e.to_string(), "sh on x failed: exit code 8: in use (EIO)");
     }
 

@@ -174,17 +174,7 @@ impl ReplicationStatus {
     /// `peer <uuid> is <state> (<description>)`; a peer that is down is
     /// not counted.
     pub fn peer_not_replaying(&self) -> Option<String> {
-        self.peers
-            .iter()
-            .find(|p| p.up && p.state != MirrorStatusState::Replaying)
-            .map(|p| {
-                format!(
-                    "peer {} is {} ({})",
-                    short(&p.mirror_uuid),
-                    p.summary(),
-                    p.description
-                )
-            })
+        self.idle_peer(|_| true)
     }
 
     /// A peer that has not caught up with this copy's promotion yet: this
@@ -196,10 +186,14 @@ impl ReplicationStatus {
     /// so it is not waited for; neither is a peer that is down.
     pub fn peer_behind_promotion(&self) -> Option<String> {
         let promoted = self.promoted_after_handover?;
+        self.idle_peer(|p| p.last_update.is_none_or(|t| t < promoted))
+    }
+
+    /// The first peer that is up, not replaying and `also`, for messages.
+    fn idle_peer(&self, also: impl Fn(&MirrorSiteStatus) -> bool) -> Option<String> {
         self.peers
             .iter()
-            .filter(|p| p.last_update.is_none_or(|t| t < promoted))
-            .find(|p| p.up && p.state != MirrorStatusState::Replaying)
+            .find(|p| p.up && p.state != MirrorStatusState::Replaying && also(p))
             .map(|p| {
                 format!(
                     "peer {} is {} ({})",
