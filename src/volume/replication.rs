@@ -555,9 +555,9 @@ fn users(img: &Image, st: &ReplicationStatus) -> Result<usize, VolumeError> {
 /// Demotes `vol` here; a copy that is not primary is left as it is. A
 /// primary still staged on a node is not demoted (`InUse`; retry): writes
 /// after the demotion would fail, and the copy the peer gets would miss
-/// what the filesystem flushes at unmount. Nor is one that a peer whose
-/// daemon is up does not replay yet (`Refused`; retry): that peer would
-/// never copy it.
+/// what the filesystem flushes at unmount. Nor is one that took over from
+/// a peer whose daemon, up, has not replayed it since (`Refused`; retry):
+/// that peer would never copy it.
 pub fn demote(
     cluster: &Cluster,
     fence: &dyn Fence,

@@ -459,30 +459,22 @@ fn a_stale_fuse_mount_is_found_and_unmounted() {
 }
 
 /// A copy of a mount in a mount namespace of its own, as a container that
-/// starts while a volume is staged makes: `unshare` then `sleep`, after
-/// lazily dropping the copies of every other loop-device and FUSE mount
-/// (other tests' devices must not be held by it). Killed on drop.
+/// starts while a volume is staged makes: `scripts/unshare-private --keep`
+/// (the copies of every other loop-device and FUSE mount dropped, so other
+/// tests' devices are not held) running `sleep`. Killed on drop.
 struct NamespaceCopy(std::process::Child);
 
 impl NamespaceCopy {
     fn start(keep: &Path) -> NamespaceCopy {
-        let script = r#"awk -v keep="$1" '($1 ~ /^\/dev\/loop/ || $3 == "fuse" || $3 ~ /^fuse\./) && $2 != keep { print $2 }' /proc/self/mounts |
-            sort -r | while IFS= read -r m; do umount -l "$m" 2>/dev/null || :; done
-            exec sleep 300"#;
-        let child = Command::new("unshare")
-            .args([
-                "--mount",
-                "--propagation",
-                "private",
-                "sh",
-                "-c",
-                script,
-                "sh",
-            ])
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/unshare-private");
+        let child = Command::new(script)
+            .arg("--keep")
             .arg(keep)
+            .args(["sleep", "300"])
             .spawn()
             .unwrap();
-        // unshare and sh exec in place: the pid is sleep's once comm says so.
+        // bash, unshare and sh exec in place: the pid is sleep's once comm
+        // says so.
         let comm = format!("/proc/{}/comm", child.id());
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
         while std::fs::read_to_string(&comm).unwrap_or_default().trim() != "sleep" {
