@@ -6,10 +6,12 @@ CASES: comma-separated, of rbd-bench-wt,mapper-block,mapper-fs (all by
 default). Needs root, a test cluster (scripts/ceph-test-cluster) with a pool
 `ps` of page-set objects (`ceph tell osd.* config set memstore_page_set
 true` before `ceph osd pool create ps 8`), perf and fio. Writes per-thread
-CPU, OSD counters, loop in-flight samples, tracepoints and perf profiles
+CPU, OSD counters, the loop device's stat (its mean in-flight count comes
+from the stat's time_in_queue, not from sampling, which cost 44 us per
+write), tracepoints and perf profiles
 into OUTDIR; node_layers_summary.py OUTDIR CASES prints them per op
 (bench/analysis.md, issue 39)."""
-import json, os, re, subprocess, sys, threading, time
+import json, os, re, subprocess, sys, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import node  # noqa: E402
@@ -61,15 +63,6 @@ def tasks():
     return res
 
 
-def sample_inflight(dev, stop, acc):
-    name = Path(dev).name
-    f = Path(f"/sys/block/{name}/inflight")
-    while not stop.is_set():
-        r, w = map(int, f.read_text().split())
-        acc.append(r + w)
-        time.sleep(0.001)
-
-
 def trace(dev_major_minor, secs, tag):
     """fuse send/end and block issue/complete, system-wide, for secs."""
     data = out / f"{tag}.trace.data"
@@ -99,23 +92,15 @@ def cpu_profile(secs, tag):
 
 def measure(tag, start_load, dev=None):
     """Start the load, let it warm, then: CPU per thread, OSD counters and
-    loop in-flight over WINDOW s, a tracepoint capture, a CPU profile."""
+    the loop device's stat over WINDOW s, a tracepoint capture, a CPU profile."""
     p = start_load()
     try:
         time.sleep(WARM)
         t0, o0, c0 = time.perf_counter(), osd_perf(), tasks()
         stat0 = Path(f"/sys/block/{Path(dev).name}/stat").read_text().split() if dev else None
-        stop, acc = threading.Event(), []
-        th = None
-        if dev:
-            th = threading.Thread(target=sample_inflight, args=(dev, stop, acc))
-            th.start()
         time.sleep(WINDOW)
         t1, o1, c1 = time.perf_counter(), osd_perf(), tasks()
         stat1 = Path(f"/sys/block/{Path(dev).name}/stat").read_text().split() if dev else None
-        stop.set()
-        if th:
-            th.join()
         trace(None, TRACE, tag)
         cpu_profile(3, tag)
         if p.poll() is not None:
@@ -130,8 +115,7 @@ def measure(tag, start_load, dev=None):
     secs = t1 - t0
     res = {"tag": tag, "secs": secs, "osd0": o0, "osd1": o1,
            "cpu": {f"{k[0]}|{k[1]}": c1.get(k, 0) - v for k, v in c0.items() if c1.get(k, 0) - v > 0},
-           "loop_stat0": stat0, "loop_stat1": stat1,
-           "loop_inflight_mean": sum(acc) / len(acc) if acc else None, "samples": len(acc)}
+           "loop_stat0": stat0, "loop_stat1": stat1}
     (out / f"{tag}.json").write_text(json.dumps(res, indent=1))
     return res
 

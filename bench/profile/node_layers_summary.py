@@ -8,16 +8,17 @@ for tag in sys.argv[2].split(","):
     o0, o1 = r["osd0"], r["osd1"]
     dw = o1["op_w"] - o0["op_w"]
     lat = lambda k: (o1[k]["sum"] - o0[k]["sum"]) / max(1, (o1[k]["avgcount"] - o0[k]["avgcount"])) * 1e6
-    loop_w = None
+    loop_w = inflight = None
     if r["loop_stat0"]:
         s0, s1 = list(map(int, r["loop_stat0"])), list(map(int, r["loop_stat1"]))
         loop_w = s1[4] - s0[4]
-        loop_wticks_ms = s1[7] - s0[7]
+        # time_in_queue (ms, weighted by requests in flight) over the window
+        inflight = f"{(s1[10] - s0[10]) / (secs * 1e3):.1f}"
     ops = loop_w if loop_w else dw
     print(f"== {tag}: {secs:.1f} s, OSD writes {dw} ({dw / secs:.0f}/s), loop writes {loop_w} "
           f"({(loop_w or 0) / secs:.0f}/s); OSD op_w_latency {lat('op_w_latency'):.0f} us, "
           f"process {lat('op_w_process_latency'):.0f} us; loop in-flight mean "
-          f"{r['loop_inflight_mean']}; ops basis {ops}")
+          f"{inflight}; ops basis {ops}")
     groups = {}
     for k, v in r["cpu"].items():
         g, comm = k.split("|", 1)
