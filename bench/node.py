@@ -790,6 +790,33 @@ def summarize(node, spread, med, target):
     return {"per": per, "ratios": ratios}, targets
 
 
+def render_option_contenders(L, node, r, fmt_ratio):
+    """The map-option contenders' table, or a line saying the run had none
+    (a run older than them, or one that selected others)."""
+    keys = [f"{c} / mapper-block|{wk}" for c in ("mapper-zerocopy", "mapper-inline")
+            for wk in node["workloads"]]
+    if not any(r.get(k) for k in keys):
+        L.append("How requests reach librbd (issue 39): the map-option contenders (zero-copy "
+                 "writes, `rbd_non_blocking_aio=false`) were not in this run; "
+                 "`bench/analysis.md` has their last measurement.")
+        L.append("")
+        return
+    L.append("How requests reach librbd (issue 39): *mapper, block* with the map option "
+             "`rbd_disable_zero_copy_writes=false` (librbd sends the mapper's buffer, which the "
+             "request owns until it completes, instead of copying it) and with "
+             "`rbd_non_blocking_aio=false` (librbd submits on the FUSE thread instead of "
+             "handing each request to its own thread). Ratios over *mapper, block* per round, "
+             "median (min–max):")
+    L.append("")
+    L.append("| workload | zero-copy writes / mapper, block | "
+             "rbd_non_blocking_aio=false / mapper, block |")
+    L.append("|---|---|---|")
+    for wk in node["workloads"]:
+        L.append(f"| {wk} | {fmt_ratio(r.get(f'mapper-zerocopy / mapper-block|{wk}'))} | "
+                 f"{fmt_ratio(r.get(f'mapper-inline / mapper-block|{wk}'))} |")
+    L.append("")
+
+
 def render(results, summary, cfg, fmt_ratio, fmt_num):
     node = results.get("node")
     s = summary.get("node")
@@ -857,20 +884,7 @@ def render(results, summary, cfg, fmt_ratio, fmt_num):
                  f"{fmt_ratio(r.get(f'mapper-cacher / {BASE}|{wk}'))} | "
                  f"{fmt_ratio(r.get(f'mapper-block / mapper-cacher|{wk}'))} |")
     L.append("")
-    L.append("How requests reach librbd (issue 39): *mapper, block* with the map option "
-             "`rbd_disable_zero_copy_writes=false` (librbd sends the mapper's buffer, which the "
-             "request owns until it completes, instead of copying it) and with "
-             "`rbd_non_blocking_aio=false` (librbd submits on the FUSE thread instead of "
-             "handing each request to its own thread). Ratios over *mapper, block* per round, "
-             "median (min–max):")
-    L.append("")
-    L.append("| workload | zero-copy writes / mapper, block | "
-             "rbd_non_blocking_aio=false / mapper, block |")
-    L.append("|---|---|---|")
-    for wk in node["workloads"]:
-        L.append(f"| {wk} | {fmt_ratio(r.get(f'mapper-zerocopy / mapper-block|{wk}'))} | "
-                 f"{fmt_ratio(r.get(f'mapper-inline / mapper-block|{wk}'))} |")
-    L.append("")
+    render_option_contenders(L, node, r, fmt_ratio)
     L.append("Absolute medians of this run (IOPS, MiB/s, fio's mean completion latency):")
     L.append("")
     L.append("| workload | " + " | ".join(NAMES[w] for w in node["contenders"]) + " |")
