@@ -48,7 +48,11 @@ impl Wake for TagWaker {
         self.wake_by_ref();
     }
     fn wake_by_ref(self: &Arc<Self>) {
-        self.ready.tags.lock().unwrap().push(self.tag);
+        self.ready
+            .tags
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(self.tag);
         let one = 1u64.to_ne_bytes();
         // SAFETY: write(2) on an eventfd this struct owns, from an 8-byte
         // buffer that lives across the call.
@@ -285,7 +289,8 @@ impl Queue {
 
     fn complete(&mut self, ud: u64, res: i32) -> io::Result<()> {
         if ud == EVENT {
-            let tags = std::mem::take(&mut *self.ready.tags.lock().unwrap());
+            let tags =
+                std::mem::take(&mut *self.ready.tags.lock().unwrap_or_else(|p| p.into_inner()));
             for tag in tags {
                 self.poll(tag)?;
             }
