@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Wake, Waker};
 
 use io_uring::{opcode, types, IoUring};
-use rbdkit::rbd::{Image, IoBuf};
+use rbdkit::rbd::{AioFuture, Image, IoBuf};
 
 use crate::sys;
 
@@ -60,21 +60,67 @@ impl Wake for TagWaker {
     }
 }
 
-/// One tag's slice of the queue's buffer, lent to librbd for one request.
-struct Slot {
+/// A shared memory mapping, unmapped when the last holder drops it: the
+/// queue's descriptor area, and its request buffer, which each request in
+/// librbd holds too (through its `Slot`), so that a queue that ends early
+/// cannot free memory librbd still writes.
+struct Mapping {
     ptr: *mut u8,
     len: usize,
 }
 
-// SAFETY: the slice belongs to one tag, and a tag has one request at a time,
-// so no other thread touches it while a request holds it.
-unsafe impl Send for Slot {}
+// SAFETY: the mapping is plain memory valid until drop; who reads or
+// writes which part of it is ruled by the tags (see `Slot`).
+unsafe impl Send for Mapping {}
+// SAFETY: as for Send; `Mapping` itself is never written through `&self`.
+unsafe impl Sync for Mapping {}
 
-// SAFETY: `ptr` points into the queue's buffer, which outlives every request
-// (the queue waits for all of them before it frees it), for `len` bytes.
+impl Mapping {
+    /// `mmap(2)` of `len` bytes: of `fd` at offset 0 read-only and shared,
+    /// or anonymous and writable with `fd` None.
+    fn new(fd: Option<i32>, len: usize) -> io::Result<Mapping> {
+        let (prot, flags, fd) = match fd {
+            Some(fd) => (libc::PROT_READ, libc::MAP_SHARED | libc::MAP_POPULATE, fd),
+            None => (
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+            ),
+        };
+        // SAFETY: mmap(2) with a null hint, a length, valid flags and a
+        // descriptor (or -1 for anonymous memory); checked for MAP_FAILED.
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, fd, 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Mapping {
+            ptr: ptr.cast(),
+            len,
+        })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped once, by its last holder.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// One tag's slice of the queue's buffer, lent to librbd for one request.
+struct Slot {
+    mem: Arc<Mapping>,
+    at: usize,
+    len: usize,
+}
+
+// SAFETY: `at..at + len` lies in `mem`, which the slot keeps mapped; the
+// slice belongs to one tag, and a tag has one request at a time, so no
+// other thread touches it while a request holds it.
 unsafe impl IoBuf for Slot {
     fn as_mut_ptr(&mut self) -> *mut u8 {
-        self.ptr
+        // SAFETY: `at` is within the mapping (checked when the slot is made).
+        unsafe { self.mem.ptr.add(self.at) }
     }
     fn len(&self) -> usize {
         self.len
@@ -87,9 +133,8 @@ type Pending = Pin<Box<dyn Future<Output = i32> + Send>>;
 pub(crate) struct Queue {
     ring: IoUring,
     cdev: File,
-    descs: *const sys::IoDesc,
-    descs_len: usize,
-    buf: Vec<u8>,
+    descs: Mapping,
+    buf: Arc<Mapping>,
     max_io: usize,
     image: Arc<Image>,
     ready: Arc<Ready>,
@@ -99,11 +144,6 @@ pub(crate) struct Queue {
     aborted: usize,
     stats: Stats,
 }
-
-// SAFETY: `descs` points at the queue's own mapping, valid wherever the
-// queue is (it is unmapped on drop), and read only by the thread that owns
-// the queue; the buffer slots lent to librbd are `Slot`s (see there).
-unsafe impl Send for Queue {}
 
 impl Queue {
     /// Opens `/dev/ublkc<id>` and maps queue 0's request descriptors.
@@ -117,22 +157,10 @@ impl Queue {
         let depth = usize::from(depth);
         let page = 4096;
         let descs_len = (depth * std::mem::size_of::<sys::IoDesc>()).div_ceil(page) * page;
-        // SAFETY: mmap(2) of the char device's descriptor area (offset 0 is
-        // queue 0, UBLKSRV_CMD_BUF_OFFSET), read-only and shared, as the
-        // driver's mmap handler requires; checked for MAP_FAILED below.
-        let descs = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                descs_len,
-                libc::PROT_READ,
-                libc::MAP_SHARED | libc::MAP_POPULATE,
-                cdev.as_raw_fd(),
-                0,
-            )
-        };
-        if descs == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
+        // Offset 0 is queue 0's descriptors (UBLKSRV_CMD_BUF_OFFSET),
+        // mapped read-only and shared, as the driver's mmap handler requires.
+        let descs = Mapping::new(Some(cdev.as_raw_fd()), descs_len)?;
+        let buf = Arc::new(Mapping::new(None, depth * max_io)?);
         // SAFETY: eventfd(2) with valid flags; checked below before use.
         let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
         if efd < 0 {
@@ -155,9 +183,8 @@ impl Queue {
         Ok(Queue {
             ring: IoUring::new((depth as u32 + 1).next_power_of_two())?,
             cdev,
-            descs: descs.cast(),
-            descs_len,
-            buf: vec![0; depth * max_io],
+            descs,
+            buf,
             max_io,
             image,
             ready,
@@ -169,16 +196,18 @@ impl Queue {
         })
     }
 
-    fn slot(&mut self, tag: u16, len: usize) -> Slot {
-        let at = usize::from(tag) * self.max_io;
+    /// `tag`'s buffer, its first `len` bytes (`len` <= max_io).
+    fn slot(&self, tag: u16, len: usize) -> Slot {
+        assert!(len <= self.max_io);
         Slot {
-            ptr: self.buf[at..at + len].as_mut_ptr(),
+            mem: Arc::clone(&self.buf),
+            at: usize::from(tag) * self.max_io,
             len,
         }
     }
 
     fn slot_addr(&self, tag: u16) -> u64 {
-        self.buf.as_ptr() as u64 + (usize::from(tag) * self.max_io) as u64
+        self.buf.ptr as u64 + (usize::from(tag) * self.max_io) as u64
     }
 
     /// Queues one SQE, submitting first if the ring is full.
@@ -216,31 +245,25 @@ impl Queue {
         // SAFETY: `tag` < depth, inside the mapping; the driver wrote this
         // descriptor before completing the tag's fetch, and does not change
         // it until the tag is committed. Read volatile: the kernel writes it.
-        let d = unsafe { std::ptr::read_volatile(self.descs.add(usize::from(tag))) };
+        let d = unsafe {
+            std::ptr::read_volatile(self.descs.ptr.cast::<sys::IoDesc>().add(usize::from(tag)))
+        };
         let off = d.start_sector << 9;
         let len = (d.nr_sectors as usize) << 9;
-        let image = Arc::clone(&self.image);
-        let fut: Pending = match (d.op_flags & 0xff) as u8 {
+        let done = len as i32;
+        let image = &self.image;
+        let fut = match (d.op_flags & 0xff) as u8 {
             sys::OP_READ if len <= self.max_io => {
-                let f = image.aio_read_buf(off, self.slot(tag, len));
-                Box::pin(async move { f.await.map_or_else(|e| -e.errno().abs(), |n| n as i32) })
+                result(image.aio_read_buf(off, self.slot(tag, len)), |n| n as i32)
             }
             sys::OP_WRITE if len <= self.max_io => {
-                let f = image.aio_write_buf(off, self.slot(tag, len));
-                Box::pin(async move { f.await.map_or_else(|e| -e.errno().abs(), |()| len as i32) })
+                result(image.aio_write_buf(off, self.slot(tag, len)), move |()| {
+                    done
+                })
             }
-            sys::OP_FLUSH => {
-                let f = image.aio_flush();
-                Box::pin(async move { f.await.map_or_else(|e| -e.errno().abs(), |()| 0) })
-            }
-            sys::OP_DISCARD => {
-                let f = image.aio_discard(off, len as u64);
-                Box::pin(async move { f.await.map_or_else(|e| -e.errno().abs(), |()| len as i32) })
-            }
-            sys::OP_WRITE_ZEROES => {
-                let f = image.aio_write_zeroes(off, len);
-                Box::pin(async move { f.await.map_or_else(|e| -e.errno().abs(), |()| len as i32) })
-            }
+            sys::OP_FLUSH => result(image.aio_flush(), |()| 0),
+            sys::OP_DISCARD => result(image.aio_discard(off, len as u64), move |()| done),
+            sys::OP_WRITE_ZEROES => result(image.aio_write_zeroes(off, len), move |()| done),
             _ => Box::pin(async { -libc::EOPNOTSUPP }),
         };
         self.pending[usize::from(tag)] = Some(fut);
@@ -311,10 +334,11 @@ impl Queue {
     }
 }
 
-impl Drop for Queue {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `open`, of `descs_len` bytes, unmapped
-        // once; nothing reads it after the queue is dropped.
-        unsafe { libc::munmap(self.descs as *mut libc::c_void, self.descs_len) };
-    }
+/// A request's future as the result the driver takes: `ok`'s byte count,
+/// or the negated errno.
+fn result<T: Send + 'static>(
+    f: AioFuture<T>,
+    ok: impl FnOnce(T) -> i32 + Send + 'static,
+) -> Pending {
+    Box::pin(async move { f.await.map_or_else(|e| -e.errno(), ok) })
 }
